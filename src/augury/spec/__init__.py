@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposal, draft trees, lossless verification, speculation policy."""

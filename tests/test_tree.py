@@ -1,0 +1,165 @@
+"""Draft tree selection, chains and tree attention masks, against hand-made trees and brute force."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from augury.spec.tree import DraftTree, chain_tree, depth_from_parents, select_tree, tree_attention_mask
+
+
+def _brute_mask(parents: list[int]) -> list[list[bool]]:
+    n = len(parents)
+    mask = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = parents[j]
+    return mask
+
+
+def _expand(rng: random.Random, topk: int, steps: int) -> tuple[list[int], list[int], list[float]]:
+    """An EAGLE-2 style expansion: each step, the best topk frontier nodes get topk children."""
+    toks, pars, scores = [], [], []
+    frontier = [(-1, 0.0)]
+    for _ in range(steps):
+        new = []
+        for p, s in frontier:
+            for lp in sorted((rng.choice([-0.5, -1.0, -2.0, -3.0, rng.uniform(-4, 0)]) for _ in range(topk)), reverse=True):
+                toks.append(rng.randrange(1000))
+                pars.append(p)
+                scores.append(s + lp)
+                new.append((len(toks) - 1, s + lp))
+        frontier = sorted(new, key=lambda x: -x[1])[:topk]
+    return toks, pars, scores
+
+
+def test_select_tree_hand_made() -> None:
+    # topk 2, two steps: c0 c1 under the root; c2 c3 under c0; c4 c5 under c1
+    toks = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    pars = torch.tensor([[-1, -1, 0, 0, 1, 1]])
+    scores = torch.tensor([[-0.1, -1.0, -0.3, -2.0, -1.2, -1.5]])
+    tree = select_tree(torch.tensor([7]), toks, pars, scores, num_nodes=5)
+    # best four: c0 (-0.1), c2 (-0.3), c1 (-1.0), c4 (-1.2) -> nodes 1..4
+    assert tree.tokens.tolist() == [[7, 10, 12, 11, 14]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 0, 3]]
+    assert tree.depth.tolist() == [[0, 1, 2, 1, 2]]
+    assert tree.positions(torch.tensor([100])).tolist() == [[100, 101, 102, 101, 102]]
+
+
+def test_select_tree_ties_earlier_wins_and_siblings_sorted() -> None:
+    toks = torch.tensor([[1, 2, 3, 4]])
+    pars = torch.tensor([[-1, -1, -1, -1]])
+    scores = torch.tensor([[-1.0, -0.5, -1.0, -0.5]])
+    tree = select_tree(torch.tensor([0]), toks, pars, scores, num_nodes=4)
+    # order by score desc, ties by candidate index: c1, c3, c0 (c2 dropped)
+    assert tree.tokens.tolist() == [[0, 2, 4, 1]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 0]]
+
+
+def test_select_tree_tie_between_parent_and_child_keeps_parent() -> None:
+    # a child with log-prob 0 ties its parent; stable ranking must keep the parent first
+    toks = torch.tensor([[5, 6, 8]])
+    pars = torch.tensor([[-1, -1, 0]])
+    scores = torch.tensor([[-1.0, -2.0, -1.0]])
+    tree = select_tree(torch.tensor([0]), toks, pars, scores, num_nodes=3)
+    assert tree.tokens.tolist() == [[0, 5, 8]]
+    assert tree.parents.tolist() == [[-1, 0, 1]]
+
+
+def test_select_tree_forces_closure_on_inconsistent_scores() -> None:
+    # c2 claims a better score than its parent c1: ranking uses the path minimum instead
+    toks = torch.tensor([[1, 2, 3]])
+    pars = torch.tensor([[-1, -1, 1]])
+    scores = torch.tensor([[-1.0, -3.0, -0.1]])
+    tree = select_tree(torch.tensor([0]), toks, pars, scores, num_nodes=3)
+    assert tree.tokens.tolist() == [[0, 1, 2]]
+    tree = select_tree(torch.tensor([0]), toks, pars, scores, num_nodes=4)
+    assert tree.tokens.tolist() == [[0, 1, 2, 3]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 2]]
+
+
+@pytest.mark.parametrize("topk,steps,num_nodes", [(1, 5, 4), (2, 3, 6), (4, 4, 16), (8, 5, 48)])
+def test_select_tree_matches_brute_force(topk: int, steps: int, num_nodes: int) -> None:
+    rng = random.Random(topk * 100 + steps)
+    rows = [_expand(rng, topk, steps) for _ in range(5)]
+    m = len(rows[0][0])
+    root = torch.arange(5) + 2000
+    tree = select_tree(root, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                       torch.tensor([r[2] for r in rows], dtype=torch.float64), num_nodes)
+    assert tree.tokens.shape == (5, num_nodes)
+    for b, (toks, pars, scores) in enumerate(rows):
+        ranked = sorted(range(m), key=lambda i: (-scores[i], i))[: num_nodes - 1]
+        t, p, d = tree.tokens[b].tolist(), tree.parents[b].tolist(), tree.depth[b].tolist()
+        assert t[0] == 2000 + b and p[0] == -1 and d[0] == 0
+        assert t[1:] == [toks[i] for i in ranked]
+        kept = {c: k + 1 for k, c in enumerate(ranked)}
+        for k, c in enumerate(ranked):
+            node = k + 1
+            assert p[node] < node
+            assert p[node] == (0 if pars[c] < 0 else kept[pars[c]])  # ancestor-closed, renumbered
+            assert d[node] == d[p[node]] + 1
+        for parent in range(num_nodes):  # siblings in descending score order
+            sib = [scores[ranked[i - 1]] for i in range(1, num_nodes) if p[i] == parent]
+            assert sib == sorted(sib, reverse=True)
+
+
+def test_select_tree_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="parent"):
+        select_tree(torch.tensor([0]), torch.tensor([[1, 2]]), torch.tensor([[-1, 1]]), torch.zeros(1, 2), 2)
+    with pytest.raises(ValueError, match="num_nodes"):
+        select_tree(torch.tensor([0]), torch.tensor([[1, 2]]), torch.tensor([[-1, 0]]), torch.zeros(1, 2), 4)
+    with pytest.raises(ValueError):
+        DraftTree(tokens=torch.zeros(2, 3, dtype=torch.long), parents=torch.zeros(2, 2, dtype=torch.long),
+                  depth=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_select_tree_root_only() -> None:
+    tree = select_tree(torch.tensor([3, 4]), torch.ones(2, 3, dtype=torch.long), torch.full((2, 3), -1),
+                       torch.zeros(2, 3), num_nodes=1)
+    assert tree.tokens.tolist() == [[3], [4]] and tree.parents.tolist() == [[-1], [-1]]
+    assert tree_attention_mask(tree.parents).tolist() == [[[True]], [[True]]]
+
+
+def test_chain_tree() -> None:
+    tree = chain_tree(torch.tensor([9, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert tree.tokens.tolist() == [[9, 1, 2, 3], [8, 4, 5, 6]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
+    assert tree.depth.tolist() == [[0, 1, 2, 3]] * 2
+    mask = tree_attention_mask(tree.parents)
+    assert torch.equal(mask[0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    # a chain from select_tree (topk 1) is the same tree
+    same = select_tree(torch.tensor([9]), torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]),
+                       torch.tensor([[-0.1, -0.2, -0.3]]), num_nodes=4)
+    assert torch.equal(same.parents, tree.parents[:1]) and torch.equal(same.tokens, tree.tokens[:1])
+
+
+def test_tree_attention_mask_hand_made() -> None:
+    #        0
+    #      / | \
+    #     1  2  3
+    #    / \     \
+    #   4   5     6
+    #   |
+    #   7
+    parents = [-1, 0, 0, 0, 1, 1, 3, 4]
+    mask = tree_attention_mask(torch.tensor([parents]))
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    for i, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 3], [0, 1, 4], [0, 1, 5], [0, 3, 6], [0, 1, 4, 7]]):
+        expected[i, ancestors] = True
+    assert torch.equal(mask[0], expected)
+    assert depth_from_parents(torch.tensor([parents])).tolist() == [[0, 1, 1, 1, 2, 2, 2, 3]]
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 64])
+def test_tree_attention_mask_random_trees(n: int) -> None:
+    rng = random.Random(n)
+    rows = [[-1] + [rng.randrange(i) if rng.random() < 0.7 else i - 1 for i in range(1, n)] for _ in range(6)]
+    mask = tree_attention_mask(torch.tensor(rows))
+    depth = depth_from_parents(torch.tensor(rows))
+    for b, row in enumerate(rows):
+        brute = _brute_mask(row)
+        assert mask[b].tolist() == brute
+        assert depth[b].tolist() == [sum(r) - 1 for r in brute]
