@@ -1,0 +1,71 @@
+"""One request's state as it moves through waiting -> running -> finished."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from augury.outputs import SpecStats
+from augury.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token ids, cache blocks and progress of one generation.
+
+    The KV of all_token_ids[:num_computed] is in the cache. A step feeds the tokens
+    [num_computed, end) and, when end reaches num_tokens, samples the next one; decoding
+    is the case num_computed == num_tokens - 1 (one token in), prefill any longer run.
+    The draft head has seen (hidden_p, token_{p+1}) pairs for p < draft_len; the target
+    features of positions draft_len .. num_computed-1 wait in pending_aux until the next
+    drafting pass consumes them (catch-up after steps without speculation).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.arrival = next(_arrival)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.spec_stats = SpecStats()
+        self.draft_len = 0
+        self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len.. in order
+        self.num_emitted = 0  # output tokens already reported to the caller
+        self.num_emitted_chars = 0  # output text already reported to the caller
+        self.text_frozen = False  # a stop string ended the text
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        # a step always feeds tokens [num_computed, num_tokens); decoding feeds exactly one
+        return self.num_computed < self.num_tokens - 1
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the cache is gone; recompute everything (outputs are kept)."""
+        self.block_table = []
+        self.num_computed = 0
+        self.draft_len = 0
+        self.pending_aux = []
+        self.status = Status.WAITING

@@ -1,0 +1,62 @@
+"""Engine-wide counters: tokens, speculation acceptance per position, chosen draft sizes."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("augury.engine")
+
+
+@dataclass
+class EngineStats:
+    generation_tokens_total: int = 0
+    num_verify_steps: int = 0  # request-steps that were speculated
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_at[i]: verifications whose draft token at depth i+1 was accepted;
+    # offered_at[i]: verifications that offered a draft at depth i+1
+    accepted_at: list[int] = field(default_factory=list)
+    offered_at: list[int] = field(default_factory=list)
+    last_draft_tokens: int = 0  # draft tokens per request chosen by the policy at the last decode step
+    steps_spec: int = 0
+    steps_plain: int = 0
+    _last_log: float = field(default_factory=time.monotonic)
+    _last_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens emitted per verification (accepted drafts + 1)."""
+        if self.num_verify_steps == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verify_steps
+
+    def acceptance_rates(self) -> list[float]:
+        return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at)]
+
+    def record_verification(self, depth_offered: int, num_accepted: int, num_drafted: int) -> None:
+        while len(self.offered_at) < depth_offered:
+            self.offered_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(depth_offered):
+            self.offered_at[i] += 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+        self.num_verify_steps += 1
+        self.num_accepted_tokens += num_accepted
+        self.num_draft_tokens += num_drafted
+
+    def maybe_log(self, engine, force: bool = False) -> None:
+        now = time.monotonic()
+        interval = engine.config.log_stats_interval
+        if not force and (interval <= 0 or now - self._last_log < interval):
+            return
+        rate = (self.generation_tokens_total - self._last_tokens) / max(now - self._last_log, 1e-9)
+        self._last_log, self._last_tokens = now, self.generation_tokens_total
+        rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rates()[:8])
+        log.info(
+            "running: %d, waiting: %d, gen throughput: %.1f tok/s, kv usage: %.2f, accept len: %.2f, "
+            "draft tokens/req: %d, accept rate per position: [%s]",
+            engine.num_running, engine.num_waiting, rate, engine.allocator.usage, self.accept_length,
+            self.last_draft_tokens, rates,
+        )

@@ -1,0 +1,1 @@
+"""Model definitions (target family, EAGLE-3 head) and their strict loaders."""

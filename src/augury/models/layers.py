@@ -1,0 +1,93 @@
+"""Building blocks shared by the target and the draft head: RMSNorm, rotary embedding, attention."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from augury.models.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for default, linear and Llama-3 rope scaling."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """cos/sin tables [max_len, head_dim] computed once; looked up by position each forward."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(rope, head_dim)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)  # [L, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.max_len = max_len
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, Q] -> cos, sin [B, Q, 1, hd] (broadcast over heads)
+        return self.cos[positions].to(dtype).unsqueeze(2), self.sin[positions].to(dtype).unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, Q, heads, hd]; Llama's rotate-half convention (first half paired with second half)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def attend(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_ctx: torch.Tensor | None,
+    v_ctx: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Scaled dot-product attention of new queries over [context keys, new keys].
+
+    q [B, Q, H, hd]; k_new/v_new [B, Q, Hkv, hd]; k_ctx/v_ctx [B, C, Hkv, hd] or None;
+    mask [B, 1, Q, C+Q] bool (True = may attend) or None (then `causal` says whether the
+    new block is causal with no context, or everything is visible). Returns [B, Q, H*hd].
+    """
+    if k_ctx is not None:
+        k = torch.cat([k_ctx, k_new], dim=1)
+        v = torch.cat([v_ctx, v_new], dim=1)
+    else:
+        k, v = k_new, v_new
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, len, hd]
+    gqa = qt.shape[1] != kt.shape[1]
+    if mask is not None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal and q.shape[1] > 1, enable_gqa=gqa)
+    b, _, ql, _ = out.shape
+    return out.transpose(1, 2).reshape(b, ql, -1)

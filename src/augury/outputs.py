@@ -1,0 +1,42 @@
+"""What a finished (or progressing) request hands back to its caller."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (all zero when it was never speculated)."""
+
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens produced per verification step (accepted drafts + the bonus token)."""
+        if self.num_verify_steps == 0:
+            return 0.0
+        return (self.num_accepted_draft_tokens + self.num_verify_steps) / self.num_verify_steps
+
+
+@dataclass
+class RequestOutput:
+    """One request's output. ``token_ids`` and ``text`` hold the generated part only.
+
+    ``new_token_ids`` is what this engine step added (for streaming); ``finish_reason``
+    is None while running, else "stop" (EOS, stop token or stop string), "length" or "abort".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
