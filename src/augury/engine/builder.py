@@ -99,7 +99,7 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
     with _Stage("draft head", notify):
         from augury.spec.worker import build_speculator
 
-        speculator = build_speculator(config, model, tcfg, folder, dtype, device)
+        speculator = build_speculator(config, model, tcfg, folder, dtype, device, max_len)
     with _Stage("KV cache", notify):
         bs = config.block_size
         per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)

@@ -1,0 +1,143 @@
+"""EAGLE-3 drafting: catch the head up on target features, then grow an EAGLE-2 tree.
+
+Draft position p pairs the target's hidden state h_p with token p+1. The head's KV cache
+shares the target's block tables; tree expansion never writes it (tree keys live in
+scratch tensors), so rejected branches cannot leave anything behind.
+"""
+from __future__ import annotations
+
+import torch
+
+from augury.engine.attention import build_attn_batch
+from augury.engine.kv_cache import KVCache
+from augury.engine.request import Request
+from augury.models.config import TargetConfig
+from augury.models.eagle3 import Eagle3Head, default_aux_layers
+from augury.spec.policy import TreeShape
+from augury.spec.tree import DraftTree, select_tree
+
+EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
+
+
+class Eagle3Proposer:
+    needs_aux = True
+
+    def __init__(self, head: Eagle3Head, tcfg: TargetConfig) -> None:
+        self.head = head
+        self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
+        self.dtype = head.fc.weight.dtype
+        self.device = head.fc.weight.device
+        self.cache: KVCache | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        self.cache = KVCache(1, num_blocks, block_size, self.head.nkv, self.head.hd, self.dtype, self.device)
+
+    # ------------------------------------------------------------------ catch-up
+    def catch_up(self, engine, reqs: list[Request]) -> torch.Tensor:
+        """Feed every pending (h_p, token_{p+1}) pair; returns the head output at each
+        request's last committed position [B, H] (the parent state of depth-1 drafts)."""
+        head, cache, bs = self.head, self.cache, engine.allocator.block_size
+        feats = []
+        for r in reqs:
+            f = torch.cat(r.pending_aux) if len(r.pending_aux) > 1 else r.pending_aux[0]
+            assert f.shape[0] == r.num_computed - r.draft_len, "draft catch-up out of step with the target"
+            feats.append(f)
+            r.pending_aux = []
+        last = torch.empty(len(reqs), head.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        done = [0] * len(reqs)
+        while True:
+            rows = [i for i, f in enumerate(feats) if done[i] < f.shape[0]]
+            if not rows:
+                return last
+            sub = [reqs[i] for i in rows]
+            q_lens = [min(EXTEND_CHUNK, feats[i].shape[0] - done[i]) for i in rows]
+            q = max(q_lens)
+            h_in = torch.zeros(len(rows), q, feats[rows[0]].shape[1], dtype=self.dtype, device=self.device)
+            toks = torch.zeros(len(rows), q, dtype=torch.long)
+            for j, i in enumerate(rows):
+                r, n, start = reqs[i], q_lens[j], reqs[i].draft_len
+                h_in[j, :n] = feats[i][done[i] : done[i] + n]
+                toks[j, :n] = torch.tensor(r.all_token_ids[start + 1 : start + 1 + n])
+            ctx = [r.draft_len for r in sub]
+            pos = (torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]).to(self.device)
+            batch = build_attn_batch([r.block_table for r in sub], ctx, q_lens, q, bs, self.device)
+            out, k, v = self._forward(toks.to(self.device), head.fc(h_in), pos, batch)
+            for j, i in enumerate(rows):
+                done[i] += q_lens[j]
+                reqs[i].draft_len += q_lens[j]
+                last[i] = out[j, q_lens[j] - 1]
+
+    def _forward(self, toks, h, pos, batch):
+        """Head forward that caches the new keys/values at the batch's slots."""
+        cache = self.cache
+        kv_ctx = None
+        if batch.ctx_index is not None:
+            kv_ctx = (cache.k[0][batch.ctx_index], cache.v[0][batch.ctx_index])
+        out, k, v = self.head(toks, h, pos, kv_ctx, batch.mask, batch.causal)
+        b, q = toks.shape
+        cache.k[0].index_copy_(0, batch.slot_mapping, k.reshape(b * q, self.head.nkv, self.head.hd))
+        cache.v[0].index_copy_(0, batch.slot_mapping, v.reshape(b * q, self.head.nkv, self.head.hd))
+        return out, k, v
+
+    # ------------------------------------------------------------------- drafting
+    def propose(self, engine, reqs: list[Request], shape: TreeShape) -> DraftTree:
+        head, dev = self.head, self.device
+        b, k, steps = len(reqs), shape.topk, shape.num_steps
+        parent_h = self.catch_up(engine, reqs)  # [B, H]
+        nc = torch.tensor([r.num_computed for r in reqs])
+        roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
+
+        logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
+        top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
+        cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1)], [top_lp]
+        frontier_tok, frontier_score = cand_tok[0], top_lp  # [B, k]
+        frontier_cand = torch.arange(k).expand(b, k)  # candidate index of each frontier node
+        frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
+        if steps > 1:
+            # context keys of the head's cache (positions < nc), read once for all steps
+            ctxb = build_attn_batch([r.block_table for r in reqs], nc.tolist(), [0] * b, 1,
+                                    engine.allocator.block_size, dev)
+            c = ctxb.ctx_index.shape[1]
+            ctx_k, ctx_v = self.cache.k[0][ctxb.ctx_index], self.cache.v[0][ctxb.ctx_index]  # [B, C, nkv, hd]
+            ctx_ok = (torch.arange(c)[None, :] < nc[:, None]).to(dev)  # [B, C]
+            fed = k * (steps - 1)
+            anc = torch.zeros(b, fed, fed, dtype=torch.bool, device=dev)  # ancestor-or-self among fed nodes
+            fed_k, fed_v = [], []
+            frontier_fed_parent = None  # fed index of each frontier node's parent (None: the root)
+        n_cand = k
+        for s in range(1, steps):
+            lo = (s - 1) * k  # fed indices of this frontier: lo .. lo+k-1
+            rows = torch.arange(b)[:, None]
+            if frontier_fed_parent is not None:
+                anc[:, lo : lo + k] = anc[rows, frontier_fed_parent]
+            anc[:, lo : lo + k, lo : lo + k] |= torch.eye(k, dtype=torch.bool, device=dev)
+            pos = (nc - 1 + s)[:, None].expand(b, k).to(dev)
+            mask = torch.cat([ctx_ok[:, None, :].expand(b, k, c), anc[:, lo : lo + k, : lo + k]], dim=-1)[:, None]
+            kk = torch.cat([ctx_k] + fed_k, dim=1)
+            vv = torch.cat([ctx_v] + fed_v, dim=1)
+            out, k_new, v_new = head(frontier_tok.to(dev), frontier_h, pos, (kk, vv), mask, False)
+            fed_k.append(k_new)
+            fed_v.append(v_new)
+            lp = torch.log_softmax(head.logits(out), dim=-1)  # [B, k, Vd]
+            c_lp, c_id = lp.topk(k, dim=-1)  # [B, k, k]
+            scores = (frontier_score[:, :, None] + c_lp).reshape(b, k * k)
+            toks = head.to_target_ids(c_id).reshape(b, k * k)
+            par = frontier_cand[:, :, None].expand(b, k, k).reshape(b, k * k)
+            cand_tok.append(toks)
+            cand_par.append(par)
+            cand_score.append(scores)
+            # the best k children become the next frontier
+            best_score, best = scores.topk(k, dim=-1)  # [B, k]
+            parent_slot = best // k  # which frontier node each came from
+            frontier_tok = toks.gather(1, best)
+            frontier_score = best_score
+            frontier_cand = n_cand + best
+            frontier_h = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]).to(dev))
+            frontier_fed_parent = lo + parent_slot
+            n_cand += k * k
+        tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
+                           torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
+        return tree
