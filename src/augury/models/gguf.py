@@ -90,7 +90,8 @@ def _read_config(reader: gguf.GGUFReader, vocab_rows: int, tied: bool) -> dict[s
     head_dim = _int_meta(reader, f"{a}.attention.key_length", hidden // heads)
     rope_dim = _int_meta(reader, f"{a}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) are not supported")
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) "
+                         "are not supported")
     rope_scaling: dict[str, Any] | None = None
     scaling_type = _meta(reader, f"{a}.rope.scaling.type", "none")
     if scaling_type == "linear":
