@@ -6,6 +6,7 @@ constructor only assigns them, so it cannot exist half-built.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import torch
@@ -115,7 +116,10 @@ class Engine:
         else:
             touched = batch.requests
             if self.speculator is None or not self.speculator.step(self, batch.requests):
+                t0 = time.perf_counter()
                 self._run_decode(batch)
+                if self.speculator is not None:
+                    self.speculator.policy.observe_plain(len(batch.requests), time.perf_counter() - t0)
         self.stats.maybe_log(self)
         return self._emit(touched)
 

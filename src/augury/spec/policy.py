@@ -32,3 +32,6 @@ class StaticPolicy:
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int]) -> None:
         """Feedback after a step (used by the adaptive policy; nothing to learn here)."""
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        """Feedback after a plain decode step (nothing to learn here)."""

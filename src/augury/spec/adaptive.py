@@ -1,0 +1,200 @@
+"""Goodput-optimal speculation: per step, draft the amount that maximises tokens per second.
+
+For a batch of B requests the policy compares plain decoding (B tokens per target step)
+with drafting depth s = 1..S (B * (1 + E[accepted | s]) tokens per draft + verify step):
+
+    goodput(s) = B * (1 + E_s) / (T_draft(B, s) + T_verify(B, N_s)),   goodput(0) = B / T_target(B, 1)
+
+E_s = sum_{i<=s} P(accepted length >= i), from running per-depth acceptance statistics
+(optimistic priors, so unexplored depths get tried). Step times come from a cost model
+T(B, n) = a + b*B + c*B*n fitted to target forwards profiled at start-up, a draft model
+fitted the same way, and a per-choice correction learned online from measured steps.
+The disable threshold, when set, caps it: above it the answer is always 0.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from augury.spec.policy import TreeShape
+
+log = logging.getLogger("augury.spec")
+
+PRIOR_RATE, PRIOR_WEIGHT = 0.6, 8.0  # optimistic prior per-depth acceptance and its pseudo-count
+EMA = 0.05  # weight of each new observation in the running statistics
+MARGIN = 1.03  # speculation must promise this much more goodput than plain decoding
+EXPLORE_EVERY = 64  # every so many spec-eligible steps, try the full shape to refresh statistics
+
+
+class LinearCost:
+    """T(B, n) = a + b*B + c*B*n seconds, least-squares fitted, coefficients kept >= 0."""
+
+    def __init__(self, a: float = 0.0, b: float = 0.0, c: float = 0.0) -> None:
+        self.a, self.b, self.c = a, b, c
+
+    def __call__(self, batch: int, n: int) -> float:
+        return self.a + self.b * batch + self.c * batch * n
+
+    @staticmethod
+    def fit(samples: list[tuple[int, int, float]]) -> "LinearCost":
+        x = torch.tensor([[1.0, b, b * n] for b, n, _ in samples], dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].clamp(min=0).tolist()
+        return LinearCost(*coef)
+
+
+class AdaptivePolicy:
+    def __init__(self, shape: TreeShape, disable_batch_threshold: int | None,
+                 target_cost: LinearCost | None = None, draft_cost: LinearCost | None = None) -> None:
+        self.max_shape = shape
+        self.threshold = disable_batch_threshold
+        # conditional acceptance at depth i given depth i-1 accepted, as (weighted) counts
+        self.acc = [PRIOR_RATE * PRIOR_WEIGHT] * shape.num_steps
+        self.off = [PRIOR_WEIGHT] * shape.num_steps
+        self.target_cost = target_cost or LinearCost(1.0, 0.0, 0.0)
+        self.draft_cost = draft_cost or LinearCost(0.0, 0.0, 0.0)
+        self.correction: dict[tuple[int, int], float] = {}  # (batch bucket, depth) -> measured/predicted
+        self.steps = 0
+        self.choices: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ the model
+    def shape_for(self, depth: int) -> TreeShape:
+        m = self.max_shape
+        if depth >= m.num_steps:
+            return m
+        nodes = max(depth + 1, round(1 + (m.num_draft_tokens - 1) * depth / m.num_steps))
+        return TreeShape(depth, m.topk, min(nodes, m.num_draft_tokens))
+
+    def expected_accepted(self, depth: int) -> float:
+        e, p = 0.0, 1.0
+        for i in range(depth):
+            p *= self.acc[i] / self.off[i]
+            e += p
+        return e
+
+    def step_time(self, batch: int, depth: int) -> float:
+        if depth == 0:
+            t = self.target_cost(batch, 1)
+        else:
+            shape = self.shape_for(depth)
+            catch_up = self.draft_cost(batch, 1 + round(self.expected_accepted(depth)))
+            t = self.target_cost(batch, shape.num_draft_tokens) + catch_up
+            t += (depth - 1) * self.draft_cost(batch, shape.topk)
+        return t * self.correction.get((_bucket(batch), depth), 1.0)
+
+    def goodput(self, batch: int, depth: int) -> float:
+        return batch * (1.0 + self.expected_accepted(depth)) / max(self.step_time(batch, depth), 1e-9)
+
+    def best_depth(self, batch: int) -> int:
+        plain = self.goodput(batch, 0)
+        best, best_g = 0, plain * MARGIN
+        for d in range(1, self.max_shape.num_steps + 1):
+            g = self.goodput(batch, d)
+            if g > best_g:
+                best, best_g = d, g
+        return best
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, batch_size: int) -> TreeShape | None:
+        if self.threshold is not None and batch_size > self.threshold:
+            return None
+        self.steps += 1
+        depth = self.best_depth(batch_size)
+        if depth and self.steps % EXPLORE_EVERY == 0:
+            depth = self.max_shape.num_steps  # refresh statistics of the deeper drafts
+        self.choices[depth] = self.choices.get(depth, 0) + 1
+        return self.shape_for(depth) if depth else None
+
+    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int]) -> None:
+        depth = shape.num_steps if shape else 0
+        if shape is not None:
+            # conditional per-depth acceptance: offered at depth i when depth i-1 was accepted
+            for a in accepted:
+                for i in range(min(a + 1, shape.num_steps)):
+                    self.off[i] = (1 - EMA) * self.off[i] + EMA * PRIOR_WEIGHT
+                    self.acc[i] = (1 - EMA) * self.acc[i] + EMA * PRIOR_WEIGHT * (1.0 if i < a else 0.0)
+        key = (_bucket(batch_size), depth)
+        predicted = self.step_time(batch_size, depth) / self.correction.get(key, 1.0)
+        ratio = min(max(seconds / max(predicted, 1e-9), 0.2), 5.0)
+        self.correction[key] = (1 - 4 * EMA) * self.correction.get(key, 1.0) + 4 * EMA * ratio
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        self.observe(batch_size, None, seconds, [])
+
+    # ------------------------------------------------------------------ start-up
+    def calibrate(self, engine, speculator) -> None:
+        """Profile target and draft forwards on this device and fit the cost models."""
+        t0 = time.perf_counter()
+        self.target_cost = LinearCost.fit(profile_target(engine, self.max_shape.num_draft_tokens))
+        head = getattr(speculator.proposer, "head", None)
+        if head is not None:
+            self.draft_cost = LinearCost.fit(profile_draft(engine, head, self.max_shape.topk))
+        log.info("adaptive speculation calibrated in %.1fs: target %s, draft %s", time.perf_counter() - t0,
+                 vars(self.target_cost), vars(self.draft_cost))
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def _grid(engine) -> list[int]:
+    top = engine.config.max_num_seqs
+    return sorted({b for b in (1, 2, 4, 8, 16, 32, 64, top) if b <= top})
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+@torch.inference_mode()
+def profile_target(engine, max_nodes: int, ctx: int = 64) -> list[tuple[int, int, float]]:
+    """Target forwards of B requests x n new tokens over `ctx` cached ones, in free cache blocks."""
+    from augury.engine.attention import build_attn_batch
+
+    bs = engine.allocator.block_size
+    per_req = -(-(ctx + max_nodes) // bs)
+    samples = []
+    for b in _grid(engine):
+        if b * per_req > engine.allocator.num_free:
+            break
+        tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(b)]  # free at start-up
+        for n in sorted({1, max(2, max_nodes // 2), max_nodes}):
+            batch = build_attn_batch(tables, [ctx] * b, [n] * b, n, bs, engine.device)
+            ids = torch.ones(b, n, dtype=torch.long, device=engine.device)
+            pos = (ctx + torch.arange(n)).expand(b, n).to(engine.device)
+
+            def run():
+                h, _ = engine.model(ids, pos, batch, engine.kv.k, engine.kv.v, ())
+                engine.model.logits(h)
+
+            samples.append((b, n, _time(run)))
+    return samples
+
+
+@torch.inference_mode()
+def profile_draft(engine, head, topk: int, ctx: int = 64) -> list[tuple[int, int, float]]:
+    """Head forward + logits + top-k for B requests x n rows over `ctx` keys."""
+    dev, dtype = engine.device, head.fc.weight.dtype
+    samples = []
+    for b in _grid(engine):
+        for n in sorted({1, topk, 4}):
+            toks = torch.ones(b, n, dtype=torch.long, device=dev)
+            h = torch.zeros(b, n, head.cfg.hidden_size, dtype=dtype, device=dev)
+            pos = torch.full((b, n), ctx, dtype=torch.long, device=dev)
+            kv = torch.zeros(b, ctx, head.nkv, head.hd, dtype=dtype, device=dev)
+
+            def run():
+                out, _, _ = head(toks, h, pos, (kv, kv), None, False)
+                head.logits(out).topk(topk, dim=-1)
+
+            samples.append((b, n, _time(run)))
+    return samples
