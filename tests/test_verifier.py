@@ -120,6 +120,8 @@ def test_apply_sampling_filters_per_row_no_ops_and_greedy() -> None:
     assert torch.equal(probs[1], torch.nn.functional.one_hot(logits[1].argmax(-1), 50).float())
     ref = np.array([_ref_filter(r, 1.0, 4, 0.9) for r in logits[2].numpy()])
     np.testing.assert_allclose(probs[2].numpy(), ref, atol=1e-6)
+    # a single [V] row, as the plain sampler passes it, gets the same answer
+    assert torch.equal(apply_sampling_filters(logits[2, 0], 1.0, 4, 0.9), probs[2, 0])
 
 
 # ---------------------------------------------------------------------------- sampling, statistics
