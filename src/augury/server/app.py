@@ -1,0 +1,148 @@
+"""The FastAPI application: OpenAI routes, /health, /metrics, /server_info.
+
+Handlers run on the HTTP event loop and never call the Engine; they go through the
+EngineLoop (engine_loop.py). /v1/* and /server_info need the API key when one is set;
+/health and /metrics do not (probes and scrapers carry no keys).
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import augury
+from augury.server.errors import APIError, install_error_handlers
+from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
+from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
+
+MAX_BODY_BYTES = 16 * 2**20
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+_bearer = HTTPBearer(auto_error=False)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse request bodies over `limit` bytes with a 413 (no unbounded memory)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = f"the request body is over {self.limit} bytes"
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await JSONResponse({"error": {"message": too_big, "type": "invalid_request_error",
+                                                 "param": None, "code": "body_too_large"}},
+                                      status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise APIError(413, too_big, "body_too_large")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="augury", version=augury.__version__,
+                  description="OpenAI-compatible LLM server with load-aware EAGLE-3 speculative decoding")
+    app.state.augury = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit)
+
+    def require_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        key = state.api_key
+        if key is None:
+            return
+        given = creds.credentials if creds is not None else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(require_key)]
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if state.ready and state.loop.alive:
+            return JSONResponse({"status": "ok"})
+        status = "starting" if not state.ready else "engine not running"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": augury.__version__}
+
+    @app.get("/server_info", dependencies=guarded, responses=_ERRORS)
+    async def server_info() -> dict[str, Any]:
+        return state.info.render()
+
+    def card() -> ModelCard:
+        return ModelCard(id=state.model_name, created=int(state.info.started_at), root=state.model_name,
+                         max_model_len=state.max_model_len)
+
+    @app.get("/v1/models", dependencies=guarded, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(state, model_id)
+        return card()
+
+    @app.post("/v1/completions", dependencies=guarded, response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        job = await completion_job(state, body)
+        group = admit(state, job)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return GroupStreamingResponse(completion_events(state, job, group, t0, include), group,
+                                          state.metrics.observe_aborted)
+        outs = await collect(state, group, request, t0)
+        if outs is None:
+            return Response(status_code=499)
+        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                   for i, o in enumerate(outs)]
+        return JSONResponse({"id": job.request_id, "object": "text_completion", "created": int(time.time()),
+                             "model": state.model_name, "choices": choices,
+                             "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs))})
+
+    @app.post("/v1/chat/completions", dependencies=guarded, response_model=ChatCompletionResponse,
+              responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        job = await chat_job(state, body)
+        group = admit(state, job)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return GroupStreamingResponse(chat_events(state, job, group, t0, include), group,
+                                          state.metrics.observe_aborted)
+        outs = await collect(state, group, request, t0)
+        if outs is None:
+            return Response(status_code=499)
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                    "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
+        return JSONResponse({"id": job.request_id, "object": "chat.completion", "created": int(time.time()),
+                             "model": state.model_name, "choices": choices,
+                             "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs))})
+
+    return app

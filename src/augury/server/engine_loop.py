@@ -1,0 +1,249 @@
+"""The engine's own thread: after start-up, the only code that touches the Engine.
+
+HTTP handlers never call the Engine. They `submit` a group of requests (one per prompt and
+choice) and read the outputs from an asyncio queue in their own event loop; they `abort`
+a group when the client goes away. Commands go into an inbox the engine thread drains
+before each step, so an abort frees its KV blocks before the next forward. Admission is
+bounded: at most max_num_seqs running plus max_queue_size waiting requests are in flight,
+beyond that `submit` raises QueueFull at once instead of queueing without limit.
+
+If a step raises (an engine bug), the requests in flight get an error, are aborted, and the
+loop checks that the engine is clean again (nothing scheduled, every KV block free); if it
+is not, the loop stops for good and reports the failure through `on_fatal`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from augury.outputs import RequestOutput
+from augury.sampling_params import SamplingParams
+
+log = logging.getLogger("augury.server")
+
+
+class QueueFull(Exception):
+    """Admission refused: the server holds as many requests as it may."""
+
+
+class EngineUnavailable(Exception):
+    """The engine loop is stopping or has failed."""
+
+
+class RequestFailed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state published after each step, readable from any thread."""
+
+    running: int = 0
+    waiting: int = 0
+    in_flight: int = 0
+    kv_usage: float = 0.0
+    kv_free_blocks: int = 0
+    kv_usable_blocks: int = 0
+    generation_tokens_total: int = 0
+    accept_length: float = 0.0
+    acceptance_rates: tuple[float, ...] = ()
+    last_draft_tokens: int = 0
+    steps_spec: int = 0
+    steps_plain: int = 0
+    num_preemptions: int = 0
+    step_errors: int = 0
+    alive: bool = False
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests of one HTTP request; outputs arrive as (index, output)."""
+
+    request_ids: list[str]
+    owner: "EngineLoop"
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: set[int] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while len(self.done) < len(self.request_ids):
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.done.add(index)
+                raise item
+            if item.finished:
+                self.done.add(index)
+            yield index, item
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.request_ids)
+
+    def abort(self) -> None:
+        """Abort every member that has not finished (a no-op once all have)."""
+        for i, rid in enumerate(self.request_ids):
+            if i not in self.done:
+                self.done.add(i)
+                self.owner.abort(rid)
+
+
+class EngineLoop:
+    def __init__(self, engine, max_queue_size: int, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.capacity = engine.config.max_num_seqs + max_queue_size
+        self.on_fatal = on_fatal
+        self.fatal_error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._members: dict[str, tuple[RequestGroup, int]] = {}  # in flight: id -> (group, index)
+        self._stopping = False
+        self._step_errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="augury-engine", daemon=True)
+        self.snapshot = self._take_snapshot(alive=False)
+
+    # ------------------------------------------------------- event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None and not self._stopping
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> RequestGroup:
+        """Admit all of one HTTP request's prompts at once, or none (QueueFull, EngineUnavailable)."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = RequestGroup(ids, self)
+        with self._cond:
+            if not self.alive:
+                raise EngineUnavailable("the engine is not running")
+            if len(self._members) + len(ids) > self.capacity:
+                raise QueueFull(f"{len(self._members)} requests are in flight and the limit is {self.capacity}")
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                self._members[rid] = (group, i)
+                self._inbox.append(("add", rid, prompt, p))
+            self._cond.notify()
+        return group
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._members.pop(request_id, None) is not None:
+                self._inbox.append(("abort", request_id))
+                self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------- engine side
+    def _run(self) -> None:
+        engine = self.engine
+        self.snapshot = self._take_snapshot(alive=True)
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._inbox = self._inbox, []
+                self._apply(commands)
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs = engine.step()
+                    except Exception as exc:  # an engine bug: contain it, or stop for good
+                        self._recover(exc)
+                        continue
+                    self._deliver([(out.request_id, out) for out in outputs])
+                self.snapshot = self._take_snapshot(alive=True)
+        except BaseException as exc:
+            self.fatal_error = exc
+            log.error("the engine loop failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        finally:
+            self._shutdown_requests()
+            self.snapshot = self._take_snapshot(alive=False)
+            if self.fatal_error is not None and self.on_fatal is not None:
+                self.on_fatal(self.fatal_error)
+
+    def _apply(self, commands: list[tuple]) -> None:
+        for cmd in commands:
+            if cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+                continue
+            _, rid, prompt, params = cmd
+            with self._cond:
+                if rid not in self._members:  # aborted before it was added
+                    continue
+            try:
+                self.engine.add_request(prompt, params, rid)
+            except ValueError as exc:
+                self._deliver([(rid, RequestFailed(400, str(exc)))])
+            except Exception as exc:
+                log.error("could not add request %s", rid, exc_info=exc)
+                self._deliver([(rid, RequestFailed(500, f"could not add the request: {type(exc).__name__}"))])
+
+    def _recover(self, exc: Exception) -> None:
+        engine = self.engine
+        self._step_errors += 1
+        victims = list(engine.requests)
+        log.error("engine step failed; failing the %d request(s) in flight", len(victims), exc_info=exc)
+        for rid in victims:
+            engine.abort_request(rid)
+        failure = RequestFailed(500, f"the engine failed while running this request ({type(exc).__name__})")
+        self._deliver([(rid, failure) for rid in victims])
+        clean = not engine.has_unfinished_requests() and engine.allocator.num_free == engine.allocator.num_usable
+        if not clean:
+            raise RuntimeError(f"engine state is inconsistent after a failed step ({type(exc).__name__}: {exc})")
+
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Route outputs (or errors) to their groups' queues in the event loop."""
+        routed = []
+        with self._cond:
+            for rid, item in items:
+                member = self._members.get(rid)
+                if member is None:
+                    continue  # aborted meanwhile: nobody is listening
+                final = isinstance(item, BaseException) or item.finished
+                if final:
+                    del self._members[rid]
+                routed.append((member[0], member[1], item))
+        if routed and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_dispatch, routed)
+            except RuntimeError:  # the event loop is closed: the server is going away
+                pass
+
+    def _shutdown_requests(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        with self._cond:
+            rids = list(self._members)
+        self._deliver([(rid, EngineUnavailable("the server is shutting down")) for rid in rids])
+
+    def _take_snapshot(self, alive: bool) -> Snapshot:
+        engine, stats = self.engine, self.engine.stats
+        alloc = engine.allocator
+        return Snapshot(
+            running=engine.num_running, waiting=engine.num_waiting, in_flight=len(self._members),
+            kv_usage=alloc.usage, kv_free_blocks=alloc.num_free, kv_usable_blocks=alloc.num_usable,
+            generation_tokens_total=stats.generation_tokens_total, accept_length=stats.accept_length,
+            acceptance_rates=tuple(stats.acceptance_rates()), last_draft_tokens=stats.last_draft_tokens,
+            steps_spec=stats.steps_spec, steps_plain=stats.steps_plain,
+            num_preemptions=engine.scheduler.num_preemptions, step_errors=self._step_errors, alive=alive,
+        )
+
+
+def _dispatch(routed: list[tuple[RequestGroup, int, object]]) -> None:
+    for group, index, item in routed:
+        group.queue.put_nowait((index, item))

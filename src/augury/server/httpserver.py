@@ -1,0 +1,116 @@
+"""The HTTP stage's product: app + engine thread + uvicorn, fully built before anything listens.
+
+`build_server` constructs every part (state, metrics, tokenizer copy, app, uvicorn server)
+or raises; `serve_on(sock)` starts the engine thread, lets uvicorn listen on the bound
+socket, logs the ready line once it does, and returns the process exit status.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import uvicorn
+
+from augury.server.app import create_app
+from augury.server.args import ServeSettings
+from augury.server.engine_loop import EngineLoop
+from augury.server.info import ServerInfo
+from augury.server.metrics import ServerMetrics
+from augury.server.serving import ServerState
+
+log = logging.getLogger("augury.server")
+
+
+class FailureLatch:
+    """Set once, from the engine thread, when the engine loop stops for good."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def set(self, exc: BaseException) -> None:
+        self.error = exc
+
+
+class AuguryServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, settings: ServeSettings,
+                 engine_failure: FailureLatch) -> None:
+        super().__init__(config)
+        self.state = state
+        self.settings = settings
+        self.engine_failure = engine_failure
+        self.listen_failure: BaseException | None = None
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        except OSError as e:  # listen() failed
+            self.listen_failure = e
+            self.should_exit = True
+            return
+        if self.started:
+            self.state.ready = True
+            host, port = sockets[0].getsockname()[:2] if sockets else (self.settings.host, self.settings.port)
+            shown = f"[{host}]" if ":" in host else host
+            self.state.info.listening = f"http://{shown}:{port}"
+            log.info("ready: serving %r on %s", self.state.model_name, self.state.info.listening)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_failure.error is not None:  # the engine is gone: stop serving, exit non-zero
+            self.state.ready = False
+            return True
+        return await super().on_tick(counter)
+
+    async def serve_on(self, sock) -> int:
+        self.state.loop.start(asyncio.get_running_loop())
+        try:
+            await self.serve(sockets=[sock])
+        finally:
+            self.state.ready = False
+            self.state.loop.stop()
+            self.state.executor.shutdown(wait=False, cancel_futures=True)
+            sock.close()
+        if self.listen_failure is not None:
+            print(f"augury: error: start-up failed at stage 'HTTP': cannot listen: {self.listen_failure}",
+                  file=sys.stderr, flush=True)
+            return 1
+        if not self.started:
+            print("augury: error: start-up failed at stage 'HTTP': the HTTP server did not start",
+                  file=sys.stderr, flush=True)
+            return 1
+        if self.engine_failure.error is not None:
+            exc = self.engine_failure.error
+            print(f"augury: error: the engine failed while serving: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+
+def _model_folder(model: str) -> str:
+    if model == "demo":
+        from augury.demo import demo_target_dir
+
+        return str(demo_target_dir())
+    return str(Path(model).expanduser().resolve())
+
+
+def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float]) -> AuguryServer:
+    tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+    failure = FailureLatch()
+    loop = EngineLoop(engine, settings.max_queue_size, on_fatal=failure.set)
+    metrics = ServerMetrics(lambda: loop.snapshot, settings.served_model_name)
+    described = {**settings.describe(), "model_folder": _model_folder(settings.engine.model),
+                 "draft_model_folder": settings.engine.draft_model and _model_folder(settings.engine.draft_model)}
+    # every augury module that will serve is imported by now (this module imports the app)
+    info = ServerInfo.capture(described, engine, stage_seconds)
+    state = ServerState(loop=loop, metrics=metrics, model_name=settings.served_model_name,
+                        max_model_len=engine.max_model_len, vocab_size=engine.model_cfg.vocab_size,
+                        tokenizer=tokenizer, executor=ThreadPoolExecutor(1, thread_name_prefix="augury-tokenizer"),
+                        info=info, api_key=settings.api_key)
+    config = uvicorn.Config(create_app(state), log_level="debug" if settings.debug else "warning",
+                            access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,
+                            server_header=False)
+    return AuguryServer(config, state, settings, failure)

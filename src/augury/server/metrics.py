@@ -1,0 +1,99 @@
+"""Prometheus metrics (prometheus-client), one registry per server.
+
+Engine gauges are read at scrape time from the engine loop's published Snapshot, so a
+scrape never touches the Engine from the HTTP thread. Request-level figures (time to first
+token, end-to-end latency, finish reasons, rejections) are recorded by the handlers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from augury.server.engine_loop import Snapshot
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._model = model_name
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self._model], value)
+        return g
+
+    def collect(self) -> Iterator:
+        s = self._snapshot()
+        yield self._gauge("augury:num_requests_running", "Requests in the running batch.", s.running)
+        yield self._gauge("augury:num_requests_waiting", "Requests admitted and waiting to run.", s.waiting)
+        yield self._gauge("augury:num_requests_in_flight", "Requests admitted and not finished.", s.in_flight)
+        yield self._gauge("augury:kv_cache_usage_ratio", "Fraction of usable KV cache blocks in use.", s.kv_usage)
+        yield self._gauge("augury:kv_cache_free_blocks", "Free KV cache blocks.", s.kv_free_blocks)
+        yield self._gauge("augury:kv_cache_usable_blocks", "Usable KV cache blocks.", s.kv_usable_blocks)
+        yield self._gauge("augury:engine_alive", "1 while the engine loop is serving.", 1.0 if s.alive else 0.0)
+        yield self._gauge("augury:spec_accept_length",
+                          "Mean tokens emitted per speculative verification (accepted drafts + 1).", s.accept_length)
+        yield self._gauge("augury:spec_num_draft_tokens",
+                          "Draft tokens per request chosen at the last decode step (0 = speculation off).",
+                          s.last_draft_tokens)
+        rates = GaugeMetricFamily("augury:spec_acceptance_rate",
+                                  "Acceptance rate of the draft token at each depth (position 1 = first draft).",
+                                  labels=["model_name", "position"])
+        for i, rate in enumerate(s.acceptance_rates):
+            rates.add_metric([self._model, str(i + 1)], rate)
+        yield rates
+        for name, doc, value in (
+            ("augury:generation_tokens", "Generated tokens.", s.generation_tokens_total),
+            ("augury:spec_steps", "Decode steps that speculated.", s.steps_spec),
+            ("augury:plain_steps", "Decode steps without speculation.", s.steps_plain),
+            ("augury:num_preemptions", "Requests preempted for lack of KV cache.", s.num_preemptions),
+            ("augury:engine_step_errors", "Engine steps that raised (requests in flight were failed).",
+             s.step_errors),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], Snapshot], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(snapshot, model_name))
+        labels = ["model_name"]
+        self._model = model_name
+        self.ttft = Histogram("augury:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("augury:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("augury:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.rejected = Counter("augury:requests_rejected", "Requests refused before they ran, by HTTP status.",
+                                labels + ["status"], registry=self.registry)
+        self.aborted = Counter("augury:requests_aborted", "Requests aborted because the client went away.",
+                               labels, registry=self.registry)
+        self.prompt_tokens = Counter("augury:prompt_tokens", "Prompt tokens of admitted requests.",
+                                     labels, registry=self.registry)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.labels(self._model).observe(seconds)
+
+    def observe_finished(self, reason: str, seconds: float) -> None:
+        self.finished.labels(self._model, reason).inc()
+        self.e2e.labels(self._model).observe(seconds)
+
+    def observe_rejected(self, status: int) -> None:
+        self.rejected.labels(self._model, str(status)).inc()
+
+    def observe_aborted(self, count: int = 1) -> None:
+        self.aborted.labels(self._model).inc(count)
+
+    def observe_prompt_tokens(self, count: int) -> None:
+        self.prompt_tokens.labels(self._model).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,224 @@
+"""Turn OpenAI requests into engine work: validate, tokenize, build SamplingParams, admit.
+
+Everything a client can get wrong is checked here and answered with a 400 before the engine
+sees the request; the engine thread only ever receives well-formed prompts and parameters.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from augury.sampling_params import SamplingParams
+from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
+from augury.server.errors import APIError, bad_request
+from augury.server.info import ServerInfo
+from augury.server.metrics import ServerMetrics
+from augury.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+# Temperatures this small are greedy in effect; the sampler would overflow on them (as vLLM does).
+GREEDY_BELOW = 1e-5
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # a private copy, used only on the tokenizer thread
+    executor: ThreadPoolExecutor
+    info: ServerInfo
+    api_key: str | None
+    ready: bool = False
+
+    async def on_tokenizer_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+@dataclass
+class Job:
+    """One HTTP request's engine work: `n` choices per prompt, choice i of prompt p at p * n + i."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    n: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def choice_prompts(self) -> list[list[int]]:
+        return [p for p in self.prompts for _ in range(self.n)]
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       "model_not_found", "model")
+
+
+def _reject_unsupported(req: _SamplingFields, extra: dict[str, Any]) -> None:
+    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logprobs": (None, False)}
+    for name, ok in neutral.items():
+        value = getattr(req, name)
+        if name != "logprobs" and isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number", name)
+        if value not in ok:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+    for name, (value, ok) in extra.items():
+        if value not in ok:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
+def _sampling(req: _SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
+              default_max: int | None, choice: int) -> SamplingParams:
+    room = state.max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(f"the prompt has {prompt_len} tokens; this model's context is {state.max_model_len} "
+                          "tokens, which must leave room for at least one generated token",
+                          "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    elif max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    elif max_tokens > room:
+        raise bad_request(f"this model's context is {state.max_model_len} tokens; the prompt has {prompt_len} "
+                          f"and {max_tokens} were asked for (max_tokens); ask for at most {room}",
+                          "max_tokens", "context_length_exceeded")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad_request(f"temperature must be a finite number >= 0, got {temperature}", "temperature")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if req.top_k is not None and (req.top_k < -1 or req.top_k > 2**31):
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {req.top_k}", "top_k")
+    seed = req.seed
+    if seed is not None:
+        if not -(2**63) <= seed < 2**64:
+            raise bad_request("seed must fit in 64 bits", "seed")
+        seed = (seed + choice) % 2**64
+    stop = req.stop
+    if isinstance(stop, list) and len(stop) > 16:
+        raise bad_request("at most 16 stop sequences are allowed", "stop")
+    stop_ids = req.stop_token_ids or []
+    if any(not 0 <= t < state.vocab_size for t in stop_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+                              seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos))
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def _check_n(req: _SamplingFields, num_prompts: int, state: ServerState) -> int:
+    n = 1 if req.n is None else req.n
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}", "n")
+    if n * num_prompts > state.loop.capacity:
+        raise bad_request(f"{n * num_prompts} choices were asked for; this server holds at most "
+                          f"{state.loop.capacity} requests at a time", "n")
+    return n
+
+
+def _check_ids(ids: list[int], state: ServerState) -> list[int]:
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    if any(isinstance(t, bool) or not 0 <= t < state.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be integers in [0, {state.vocab_size})", "prompt")
+    return ids
+
+
+def _need_tokenizer(state: ServerState) -> Any:
+    if state.tokenizer is None:
+        raise bad_request("this model has no tokenizer; send prompts as token ids", "prompt")
+    return state.tokenizer
+
+
+async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
+    check_model(state, req.model)
+    _reject_unsupported(req, {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
+                              "suffix": (req.suffix, (None, ""))})
+    p = req.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise bad_request("the prompt is empty", "prompt")
+    if all(isinstance(x, int) for x in p):
+        prompts: list[list[int]] = [list(p)]
+    elif all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        tok = _need_tokenizer(state)
+        prompts = await state.on_tokenizer_thread(lambda: [tok.encode(text) for text in p])
+    prompts = [_check_ids(ids, state) for ids in prompts]
+    n = _check_n(req, len(prompts), state)
+    params = [_sampling(req, req.max_tokens, len(ids), state, 16, c) for ids in prompts for c in range(n)]
+    return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n)
+
+
+def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+                              f"messages.{i}.role")
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise bad_request("only text content parts are supported", f"messages.{i}.content",
+                                  "unsupported_parameter")
+            content = "".join(part.text or "" for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def _render_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)  # the template holds the special tokens
+
+
+async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
+    check_model(state, req.model)
+    fmt = (req.response_format or {}).get("type", "text")
+    _reject_unsupported(req, {"tools": (req.tools or None, (None,)), "response_format": (fmt, ("text",)),
+                              "top_logprobs": (req.top_logprobs, (None, 0))})
+    tok = _need_tokenizer(state)
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    messages = _message_dicts(req)
+    try:
+        ids = await state.on_tokenizer_thread(_render_chat, tok, messages)
+    except Exception as e:  # a template that raises on these messages (e.g. role order it forbids)
+        raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
+    _check_ids(ids, state)
+    n = _check_n(req, 1, state)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = [_sampling(req, max_tokens, len(ids), state, None, c) for c in range(n)]
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n)
+
+
+def admit(state: ServerState, job: Job) -> RequestGroup:
+    try:
+        group = state.loop.submit(job.request_id, job.choice_prompts, job.params)
+    except QueueFull as e:
+        state.metrics.observe_rejected(429)
+        raise APIError(429, f"the server is at capacity ({e}); retry later", "queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except EngineUnavailable as e:
+        state.metrics.observe_rejected(503)
+        raise APIError(503, f"the engine is not available: {e}", "engine_unavailable") from None
+    state.metrics.observe_prompt_tokens(job.prompt_tokens)
+    return group

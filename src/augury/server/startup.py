@@ -1,0 +1,163 @@
+"""`augury serve`: start-up as named stages that each complete or stop the process.
+
+configuration -> target -> draft head -> KV cache -> CUDA graphs -> warm-up -> HTTP.
+The first six are engine/builder.py's; this module adds its own checks to "configuration"
+(flags, environment, the port, the model path: all before anything heavy is imported)
+and the "HTTP" stage (bind, build the app, start the engine thread, listen). A failing
+stage prints one line, `augury: error: start-up failed at stage '<stage>': <cause>`, and
+the process exits with status 1 (argparse usage errors: 2); the traceback only with --debug.
+Nothing listens before the warm-up has passed: the socket is bound in the HTTP stage and
+starts listening when uvicorn starts serving, after which /health is green.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from augury.config import injected_fault_stage
+from augury.server.args import ServeSettings, build_parser, settings_from_args
+
+log = logging.getLogger("augury.server")
+HTTP_STAGE = "HTTP"
+
+
+class StageFailed(Exception):
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"start-up failed at stage '{stage}': {cause}")
+        self.stage = stage
+        self.cause = cause
+
+
+class _Stages:
+    """Tracks which stage runs (builder stages report in through `entered`) and how long each took."""
+
+    def __init__(self) -> None:
+        self.current = "configuration"
+        self.seconds: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def entered(self, name: str) -> None:
+        now = time.monotonic()
+        if name != self.current:
+            self.seconds[self.current] = round(self.seconds.get(self.current, 0.0) + now - self._t, 3)
+            self.current, self._t = name, now
+
+    def finish(self) -> None:
+        self.entered("serving")
+
+    @contextmanager
+    def stage(self, name: str, announce: bool = True) -> Iterator[None]:
+        self.entered(name)
+        if announce:
+            log.info("start-up stage: %s", name)
+        try:
+            if injected_fault_stage() == name:
+                raise RuntimeError("fault injected by AUGURY_FAULT_INJECT")
+            yield
+        except StageFailed:
+            raise
+        except Exception as exc:
+            raise StageFailed(name, exc) from exc
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if not text:
+        return type(exc).__name__
+    if isinstance(exc, (ValueError, RuntimeError, OSError)) and type(exc).__module__ == "builtins":
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+def _report(stage: str, cause: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(cause)
+    print(f"augury: error: start-up failed at stage '{stage}': {one_line(cause)}", file=sys.stderr, flush=True)
+    return 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound, not yet listening, TCP socket (SO_REUSEADDR, as uvicorn does)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port} ({e.strerror or e}); is another server using the port?") from None
+    return sock
+
+
+def _check_paths(settings: ServeSettings) -> None:
+    cfg = settings.engine
+    for flag, value in (("--model", cfg.model if cfg.model != "demo" else None),
+                        ("--speculative-draft-model-path", cfg.draft_model)):
+        if value is not None and not Path(value).expanduser().exists():
+            raise ValueError(f"{flag} path {value} does not exist; pass a Hugging Face checkpoint folder")
+
+
+def _setup_logging(debug: bool) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("augury")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    return handler
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Parse the `augury serve` flags, start up stage by stage, serve until stopped; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed on one line
+        return e.code if isinstance(e.code, int) else 2
+    handler = _setup_logging(args.debug)
+    try:
+        return _start_and_serve(args)
+    finally:
+        logging.getLogger("augury").removeHandler(handler)
+
+
+def _start_and_serve(args) -> int:
+    stages = _Stages()
+    debug = bool(args.debug)
+    try:
+        with stages.stage("configuration", announce=False):  # builder.py announces it
+            settings = settings_from_args(args)
+            _check_paths(settings)
+            bind_socket(settings.host, settings.port).close()  # the port is free now: fail before loading
+        from augury.engine.builder import StartupError, build_engine
+
+        try:
+            engine = build_engine(settings.engine, notify=stages.entered)
+        except StartupError as e:
+            raise StageFailed(e.stage, e.cause) from e
+        except Exception as e:  # outside any builder stage: the Engine's own construction
+            raise StageFailed(stages.current, e) from e
+        with stages.stage(HTTP_STAGE):
+            from augury.server.httpserver import build_server
+
+            server = build_server(settings, engine, stages.seconds)
+            sock = bind_socket(settings.host, settings.port)
+    except StageFailed as e:
+        return _report(e.stage, e.cause, debug)
+    except KeyboardInterrupt:
+        print(f"augury: error: start-up interrupted at stage '{stages.current}'", file=sys.stderr)
+        return 130
+    stages.finish()
+    try:
+        return asyncio.run(server.serve_on(sock))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,159 @@
+"""Answers: collect a group's outputs into one JSON body, or stream them as server-sent events.
+
+Either way a client that goes away aborts its requests (their KV blocks are freed before the
+engine's next step): a non-streamed handler watches for the ASGI disconnect while it waits,
+and a streamed response aborts whatever has not finished when the response ends for any reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from augury.outputs import RequestOutput
+from augury.server.engine_loop import EngineUnavailable, RequestFailed, RequestGroup
+from augury.server.errors import APIError, error_body
+from augury.server.serving import Job, ServerState
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _failure(exc: BaseException) -> tuple[int, str, str]:
+    if isinstance(exc, RequestFailed):
+        return exc.status, str(exc), "invalid_value" if exc.status < 500 else "engine_error"
+    return 503, f"the engine is not available: {exc}", "engine_unavailable"
+
+
+class _Observer:
+    """Per-request metrics: time to first token, finish reasons, latency."""
+
+    def __init__(self, state: ServerState, t0: float) -> None:
+        self.state, self.t0, self.first = state, t0, True
+
+    def __call__(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if self.first and out.new_token_ids:
+            self.first = False
+            self.state.metrics.observe_ttft(now - self.t0)
+        if out.finished:
+            self.state.metrics.observe_finished(out.finish_reason or "unknown", now - self.t0)
+
+
+async def _client_gone(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(state: ServerState, group: RequestGroup, request: Request, t0: float) -> list[RequestOutput] | None:
+    """The final output of every member, or None when the client went away first (all aborted)."""
+    results: list[RequestOutput | None] = [None] * len(group)
+    observe = _Observer(state, t0)
+
+    async def consume() -> None:
+        async for index, out in group.outputs():
+            observe(out)
+            if out.finished:
+                results[index] = out
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        if not group.finished:
+            group.abort()
+            state.metrics.observe_aborted()
+    if not task.done() or task.cancelled():
+        return None
+    exc = task.exception()
+    if exc is not None:
+        if isinstance(exc, (RequestFailed, EngineUnavailable)):
+            status, message, code = _failure(exc)
+            raise APIError(status, message, code)
+        raise exc
+    return [r for r in results if r is not None]
+
+
+class GroupStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its group's unfinished requests however it ends."""
+
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup, on_abort: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.group = group
+        self.on_abort = on_abort
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.group.finished:
+                self.group.abort()
+                self.on_abort()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def completion_events(state: ServerState, job: Job, group: RequestGroup, t0: float,
+                            include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+    observe, generated = _Observer(state, t0), 0
+    try:
+        async for index, out in group.outputs():
+            observe(out)
+            generated += len(out.new_token_ids)
+            if not out.new_text and not out.finished:
+                continue
+            chunk = {**base, "choices": [{"index": index, "text": out.new_text, "logprobs": None,
+                                          "finish_reason": out.finish_reason}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated)})
+    except (RequestFailed, EngineUnavailable) as exc:
+        yield _sse(error_body(*_failure(exc)))
+    yield "data: [DONE]\n\n"
+
+
+async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: float,
+                      include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.model_name}
+    extra = {"usage": None} if include_usage else {}
+    observe, generated = _Observer(state, t0), 0
+    try:
+        for index in range(len(group)):
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield _sse({**base, "choices": [role], **extra})
+        async for index, out in group.outputs():
+            observe(out)
+            generated += len(out.new_token_ids)
+            if not out.new_text and not out.finished:
+                continue
+            delta = {"content": out.new_text} if out.new_text else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+            yield _sse({**base, "choices": [choice], **extra})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated)})
+    except (RequestFailed, EngineUnavailable) as exc:
+        yield _sse(error_body(*_failure(exc)))
+    yield "data: [DONE]\n\n"
