@@ -114,12 +114,13 @@ class TargetModel(nn.Module):
         # input_ids, positions [B, Q]; k_cache/v_cache [layers, S, nkv, hd]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, k_cache[i], v_cache[i])
             if i in aux_layers:
-                aux.append(h)
-        aux_out = torch.cat(aux, dim=-1) if aux else None
+                captured[i] = h
+        # in the order asked for (a layer may be named twice on very shallow targets)
+        aux_out = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.norm(h), aux_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

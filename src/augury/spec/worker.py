@@ -74,12 +74,13 @@ class Speculator:
         ctx = torch.tensor([r.num_computed for r in reqs])
         positions = ctx[:, None] + tree.depth.cpu()  # [B, N]: the tree sits at seq_len + depth
         hidden, aux = engine.forward(reqs, tree.tokens.tolist(), positions, mask, aux=self.needs_aux)
-        logits = engine.model.logits(hidden)  # [B, N, V]
+        # logits only at the nodes the acceptance walk visits (lm_head is costly on CPUs)
+        logits_at = lambda bs, ns: engine.model.logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
         ps = [r.params for r in reqs]
-        res = verify(tree, logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+        res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                      [r.generator for r in reqs])
         committed = res.committed_tokens(tree)
-        depth = int(tree.depth.max())
+        depths = tree.depth.max(dim=1).values.tolist()  # [B] deepest draft offered per request
         src, dst = [], []
         accepted = []
         for b, (r, path) in enumerate(zip(reqs, res.accepted_nodes)):
@@ -95,7 +96,7 @@ class Speculator:
             r.spec_stats.num_verify_steps += 1
             r.spec_stats.num_draft_tokens += n - 1
             r.spec_stats.num_accepted_draft_tokens += m
-            engine.stats.record_verification(depth, m, n - 1)
+            engine.stats.record_verification(depths[b], m, n - 1)
         if src:
             engine.kv.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         for r, toks in zip(reqs, committed):
