@@ -1,0 +1,119 @@
+"""Load-aware speculation: the disable threshold, catch-up across it, and the adaptive decision."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.config import EngineConfig
+from augury.spec.adaptive import AdaptivePolicy, LinearCost
+from augury.spec.policy import StaticPolicy, TreeShape
+from spec_helpers import make_target, random_head
+
+SHAPE = TreeShape(5, 1, 6)
+
+
+# ------------------------------------------------------------------------- decision function
+
+def test_cheap_verification_picks_the_full_tree():
+    # memory-bound target: a forward costs the same for 1 or 6 tokens per request
+    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.001, 0, 0))
+    assert policy.choose(1) == SHAPE
+
+
+def test_expensive_verification_picks_zero():
+    # compute-bound target: every verified token costs as much as the fixed overhead
+    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 0.040), draft_cost=LinearCost(0.001, 0, 0))
+    assert policy.choose(32) is None
+    assert policy.best_depth(32) == 0
+
+
+def test_crossover_moves_with_batch_size():
+    # per-token cost small but growing with batch: speculate at batch 1, not at batch 64
+    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.001, 0.002), draft_cost=LinearCost(0.002, 0, 1e-4))
+    assert policy.best_depth(1) > 0
+    assert policy.best_depth(64) == 0
+    depths = [policy.best_depth(b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert depths == sorted(depths, reverse=True)  # never more speculation for a bigger batch
+
+
+def test_low_acceptance_turns_speculation_off():
+    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 0.004), draft_cost=LinearCost(0.004, 0, 0))
+    assert policy.best_depth(1) > 0
+    for _ in range(200):  # drafts keep being rejected
+        policy.observe(1, policy.shape_for(1), 0.05, [0])
+    assert policy.best_depth(1) == 0
+    for _ in range(200):  # ... and then keep being accepted
+        policy.observe(1, SHAPE, 0.05, [5])
+    assert policy.best_depth(1) == SHAPE.num_steps
+
+
+def test_measured_step_times_correct_the_cost_model():
+    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.001, 0, 0))
+    assert policy.best_depth(8) == SHAPE.num_steps
+    for _ in range(100):  # a speculative step really takes 10x what the model predicted
+        policy.observe(8, SHAPE, 10 * policy.step_time(8, SHAPE.num_steps) / policy.correction.get((8, 5), 1.0), [1])
+    assert policy.step_time(8, 5) > 4 * policy.target_cost(8, 6)
+    assert policy.best_depth(8) < SHAPE.num_steps
+
+
+@pytest.mark.parametrize("policy_cls", [StaticPolicy, AdaptivePolicy])
+def test_threshold_caps_every_policy(policy_cls):
+    policy = policy_cls(SHAPE, 4)
+    assert policy.choose(4) is not None
+    assert policy.choose(5) is None
+
+
+# --------------------------------------------------------------------- threshold configuration
+
+def test_threshold_from_argument_and_environment(monkeypatch):
+    monkeypatch.setenv("AUGURY_SPEC_DISABLE_BATCH_THRESHOLD", "7")
+    assert EngineConfig.create().speculative_disable_batch_threshold == 7
+    assert EngineConfig.create(speculative_disable_batch_threshold=3).speculative_disable_batch_threshold == 3
+    monkeypatch.delenv("AUGURY_SPEC_DISABLE_BATCH_THRESHOLD")
+    assert EngineConfig.create().speculative_disable_batch_threshold is None
+
+
+@pytest.mark.parametrize("raw", ["abc", "-3", "0", "2.5"])
+def test_bad_threshold_environment_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("AUGURY_SPEC_DISABLE_BATCH_THRESHOLD", raw)
+    with pytest.raises(ValueError, match="AUGURY_SPEC_DISABLE_BATCH_THRESHOLD"):
+        EngineConfig.create()
+
+
+@pytest.mark.parametrize("value", [-3, 0, "4", 2.0, True])
+def test_bad_threshold_argument_names_the_argument(value):
+    with pytest.raises(ValueError, match="speculative_disable_batch_threshold"):
+        EngineConfig.create(speculative_disable_batch_threshold=value)
+
+
+# ------------------------------------------------------------------- end to end across it
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    return make_target(root / "target"), random_head(root / "head")
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive"])
+def test_batch_shrinking_across_threshold_is_exact(ckpts, policy):
+    target, head = ckpts
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(8)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (4, 6, 8, 10, 12, 30, 36, 40)]
+    want = [o.token_ids for o in LLM(str(target), dtype="float32", speculative_algorithm="none",
+                                     log_stats_interval=0).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(target), dtype="float32", draft_model=str(head), speculative_algorithm="eagle3",
+              speculative_policy=policy, speculative_disable_batch_threshold=3, speculative_num_steps=3,
+              speculative_eagle_topk=1, speculative_num_draft_tokens=4, log_stats_interval=0)
+    if policy == "adaptive":  # make drafting look free so that the threshold is what decides
+        llm.engine.speculator.policy.target_cost = LinearCost(1.0, 0.0, 0.0)
+        llm.engine.speculator.policy.draft_cost = LinearCost(0.0, 0.0, 0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    verify_steps = [o.spec_stats.num_verify_steps for o in outs]
+    assert verify_steps[:4] == [0, 0, 0, 0]  # finished while more than 3 were running
+    assert all(v > 0 for v in verify_steps[5:])  # speculated once the batch shrank
+    assert llm.engine.stats.steps_plain > 0 and llm.engine.stats.steps_spec > 0
+    a = llm.engine.allocator
+    assert a.num_free == a.num_usable
