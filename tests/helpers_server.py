@@ -55,10 +55,21 @@ def make_tiny_checkpoint(folder: Path, seed: int = 0, max_positions: int = 256) 
     return folder
 
 
+_SHARED: dict[str, Path] = {}
+
+
+def shared_tiny_checkpoint(tmp_path_factory) -> Path:
+    """make_tiny_checkpoint, built once per test session (read-only: copy before editing)."""
+    if "tiny" not in _SHARED:
+        _SHARED["tiny"] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-server") / "model")
+    return _SHARED["tiny"]
+
+
 def server_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUGURY_")}
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny models gain nothing from threads on a shared CPU
     env.update(extra)
     return env
 

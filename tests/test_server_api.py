@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 
-from helpers_server import SRC, ServerProcess, make_tiny_checkpoint, serve
+from helpers_server import SRC, ServerProcess, serve, shared_tiny_checkpoint
 
 KEY = "test-key-123"
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+    return shared_tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

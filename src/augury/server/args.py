@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _name_flags(message: str, given: dict[str, Any]) -> str:
     """Rewrite config field names in a validation message as the flags the user passed."""
+    message = message.replace("speculative_draft_model_path", "--speculative-draft-model-path")
     for flag, (name, _) in sorted(ENGINE_FLAGS.items(), key=lambda kv: -len(kv[1][0])):
         if name not in given:
             continue

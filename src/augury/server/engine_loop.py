@@ -164,7 +164,7 @@ class EngineLoop:
                         outputs = engine.step()
                     except Exception as exc:  # an engine bug: contain it, or stop for good
                         self._recover(exc)
-                        continue
+                        outputs = []
                     self._deliver([(out.request_id, out) for out in outputs])
                 self.snapshot = self._take_snapshot(alive=True)
         except BaseException as exc:
