@@ -106,7 +106,9 @@ def save_tiny(out: Path, family: str, *, seed: int = 0, tokenizer: bool = False,
               max_shard_size: str | None = None) -> Path:
     """Write one tiny random checkpoint folder (config.json + safetensors [+ tokenizer])."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keeps captured stderr to what the code under test wrote
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_hf_config(family)).float()
     _randomize(model, seed)

@@ -1,0 +1,159 @@
+"""Benchmarks. A benchmark compares named *systems* on the same checkpoint, prompts and dtype.
+
+A system is anything with `name`, `generate(prompts, output_len) -> token ids per prompt`
+(greedy, exactly output_len new tokens each) and `close()`. Two are built in: augury's
+engine and transformers' `generate`. More rows (speculation on/off, policies) are added by
+registering a factory: `register_system("augury-eagle3", lambda s: AugurySystem(s, "augury-eagle3",
+speculative_algorithm="eagle3", ...))`, then `augury bench --systems transformers,augury,augury-eagle3`.
+Heavy imports (torch, transformers) happen inside functions, so importing this is cheap.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SystemSettings:
+    """What every system of one benchmark run shares."""
+
+    model: str  # checkpoint folder (or "demo")
+    dtype: str  # float32 / bfloat16 / float16: one concrete dtype for all systems
+    device: str
+    max_batch_size: int
+    max_len: int  # prompt + output tokens of the longest request
+
+
+class System(Protocol):
+    name: str
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
+
+    def close(self) -> None: ...
+
+
+class AugurySystem:
+    """augury's LLM, greedy, ignoring EOS; extra keyword arguments go to LLM (EngineConfig fields)."""
+
+    def __init__(self, settings: SystemSettings, name: str = "augury", **engine_kwargs: Any) -> None:
+        from augury.llm import LLM
+
+        self.name = name
+        kwargs: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device,
+                                      max_num_seqs=settings.max_batch_size, max_model_len=settings.max_len,
+                                      log_stats_interval=0.0)
+        kwargs.update(engine_kwargs)
+        self.llm = LLM(settings.model, **kwargs)
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        from augury.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        return [o.token_ids for o in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def close(self) -> None:
+        del self.llm
+
+
+class TransformersSystem:
+    """transformers' model class and `generate`, greedy, EOS disabled, same dtype and device."""
+
+    def __init__(self, settings: SystemSettings, name: str = "transformers") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from augury.demo import resolve_model
+
+        self.name = name
+        self.torch = torch
+        self.device = torch.device(settings.device)
+        folder = resolve_model(settings.model)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype))
+        self.model = model.to(self.device).eval()
+        gen = self.model.generation_config
+        gen.eos_token_id = None  # fixed output length, like ignore_eos
+        gen.temperature = gen.top_p = gen.top_k = None  # checkpoints may ship sampling defaults
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        torch = self.torch
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("TransformersSystem runs equal-length prompts (no padding)")
+        ids = torch.tensor(prompts, device=self.device)  # [B, L]
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=output_len, pad_token_id=self.pad_id)
+        return out[:, ids.shape[1]:].tolist()
+
+    def close(self) -> None:
+        del self.model
+
+
+SystemFactory = Callable[[SystemSettings], System]
+SYSTEMS: dict[str, SystemFactory] = {
+    "transformers": TransformersSystem,
+    "augury": AugurySystem,
+}
+
+
+def register_system(name: str, factory: SystemFactory) -> None:
+    """Add a named system (e.g. augury with speculation and a given policy) to the benchmarks."""
+    if name in SYSTEMS:
+        raise ValueError(f"a benchmark system named {name!r} is already registered")
+    SYSTEMS[name] = factory
+
+
+# ---------------------------------------------------------------- random checkpoints
+# ~30M parameters: the layer shape of a small Llama (hidden 512, 8 layers x 3.16M) with an
+# 8192-token vocabulary tied to the output (4.19M): 29.5M. A 32000 vocabulary would add
+# 12.2M tied or 28.6M untied, dwarfing the layers whose per-layer overhead we measure.
+RANDOM_LLAMA: dict[str, Any] = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+    intermediate_size=1376, vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=2048,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def random_llama(out_dir: str | Path, overrides: dict[str, Any] | None = None, seed: int = 0) -> tuple[Path, int]:
+    """Write a random-weight Llama checkpoint (float32) unless an identical one is there.
+
+    Returns (folder, parameter count).
+    """
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = {**RANDOM_LLAMA, **(overrides or {})}
+    out = Path(out_dir)
+    stamp = out / "augury-random.json"
+    wanted = {"config": spec, "seed": seed}
+    if stamp.is_file() and json.loads(stamp.read_text()).get("spec") == wanted:
+        return out, int(json.loads(stamp.read_text())["params"])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**spec)).float()
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(str(out))
+    stamp.write_text(json.dumps({"spec": wanted, "params": params}))
+    return out, params
+
+
+def count_parameters(folder: str | Path) -> int:
+    """Parameters stored in a checkpoint folder's safetensors files."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                total += _numel(f.get_slice(name).get_shape())
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,284 @@
+"""`augury bench`: offline greedy throughput of named systems, side by side in one run.
+
+For each batch size, every system generates exactly --output-len tokens (EOS ignored) for the
+same --batch-size prompts of --prompt-len random token ids, in the same dtype and device.
+After warm-up, the systems take turns (order alternating per repeat, so slow drift in a
+shared machine's load hits all of them alike); the median of the repeats is reported as
+output tokens per second, with the ratio to the reference system (the first one) and how
+many greedy sequences equal the reference's. A table is printed; JSON and a PNG plot are
+written into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from augury.bench import SYSTEMS, System, SystemSettings, count_parameters, random_llama
+
+PROG = "augury bench"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model: str = "random"
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_sizes: tuple[int, ...] = (1, 8)
+    prompt_len: int = 32
+    output_len: int = 64
+    repeats: int = 3
+    warmup: int = 1
+    systems: tuple[str, ...] = ("transformers", "augury")
+    out: str = "bench_out/offline"
+    seed: int = 0
+    threads: int | None = None
+    random_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    system: str
+    batch_size: int
+    seconds: list[float]  # one per repeat
+    output_tokens: int  # per repeat: batch_size * output_len
+    ratio: float = 1.0  # tokens/s over the reference system's
+    greedy_match: float = 1.0  # fraction of sequences equal to the reference's
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.median_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s}
+
+
+def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random ordinary token ids (the low ids, often special tokens, are skipped)."""
+    rng = random.Random(seed * 1000 + batch_size)
+    low = min(16, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+
+
+def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True) -> list[Row]:
+    from tqdm.auto import tqdm
+
+    runs = len(settings.batch_sizes) * len(systems) * (settings.warmup + settings.repeats)
+    bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
+    rows: list[Row] = []
+    try:
+        for b in settings.batch_sizes:
+            prompts = make_prompts(b, settings.prompt_len, vocab_size, settings.seed)
+            for system in systems:
+                for _ in range(settings.warmup):
+                    system.generate(prompts, min(settings.output_len, 8))
+                    bar.update(1)
+            seconds: dict[str, list[float]] = {s.name: [] for s in systems}
+            outputs: dict[str, list[list[int]]] = {}
+            for r in range(settings.repeats):
+                for system in systems if r % 2 == 0 else systems[::-1]:
+                    bar.set_postfix_str(f"batch {b} {system.name}")
+                    start = time.perf_counter()
+                    out = system.generate(prompts, settings.output_len)
+                    seconds[system.name].append(time.perf_counter() - start)
+                    if [len(o) for o in out] != [settings.output_len] * b:
+                        raise RuntimeError(f"{system.name} did not generate {settings.output_len} tokens per prompt")
+                    outputs.setdefault(system.name, out)
+                    bar.update(1)
+            rows.extend(_rows_for(b, settings.output_len, systems, seconds, outputs))
+    finally:
+        bar.close()
+    return rows
+
+
+def _rows_for(b: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
+              outputs: dict[str, list[list[int]]]) -> list[Row]:
+    ref = systems[0].name
+    rows = [Row(s.name, b, seconds[s.name], b * output_len) for s in systems]
+    for row in rows:
+        row.ratio = rows[0].median_s / row.median_s
+        row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / b
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    ref = rows[0].system if rows else ""
+    head = f"{'batch':>5}  {'system':<22} {'tok/s':>9} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} {'greedy =':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = f"{min(r.seconds):.3f}..{max(r.seconds):.3f}"
+        lines.append(f"{r.batch_size:>5}  {r.system:<22} {r.tokens_per_s:>9.1f} {r.median_s:>9.3f} {spread:>15} "
+                     f"{r.ratio:>15.2f}x {r.greedy_match:>9.0%}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r.batch_size for r in rows})
+    names = list(dict.fromkeys(r.system for r in rows))
+    by = {(r.system, r.batch_size): r for r in rows}
+    fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(batches))]
+        ax_tps.bar(xs, [by[name, b].tokens_per_s for b in batches], width, label=name)
+        ax_ratio.plot(range(len(batches)), [by[name, b].ratio for b in batches], marker="o", label=name)
+    for ax in (ax_tps, ax_ratio):
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.legend()
+    ax_tps.set_ylabel("output tokens / s (median)")
+    ax_ratio.set_ylabel(f"throughput / {names[0]}")
+    ax_ratio.axhline(1.0, color="grey", linewidth=0.8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(settings: BenchSettings) -> dict[str, Any]:
+    import os
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "device": settings.device, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Path]:
+    """Run the whole benchmark; returns the rows and the folder holding offline.json/.png."""
+    import torch
+
+    from augury.demo import resolve_model
+    from augury.models.config import TargetConfig
+
+    unknown = [s for s in settings.systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the output to our own bar and table
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if settings.model == "random":
+        folder, params = random_llama(out / "random-llama", settings.random_config, settings.seed)
+    else:
+        folder = resolve_model(settings.model)
+        params = count_parameters(folder)
+    cfg = TargetConfig.from_folder(folder)
+    shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
+                            settings.prompt_len + settings.output_len + 8)
+    systems: list[System] = []
+    try:
+        for name in settings.systems:
+            systems.append(SYSTEMS[name](shared))
+        rows = run_benchmark(settings, systems, cfg.vocab_size, progress)
+    finally:
+        for s in systems:
+            s.close()
+    model_info = {"path": str(folder), "family": cfg.family, "parameters": params, "layers": cfg.num_layers,
+                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    report = {"settings": asdict(settings), "model": model_info, "environment": environment(settings),
+              "results": [r.to_dict() for r in rows]}
+    (out / "offline.json").write_text(json.dumps(report, indent=2) + "\n")
+    title = (f"{cfg.family} {params / 1e6:.1f}M params, {settings.dtype}, {settings.device}, "
+             f"prompt {settings.prompt_len}, output {settings.output_len}, {torch.get_num_threads()} threads")
+    plot(rows, out / "offline.png", title)
+    return rows, out
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see `{PROG} --help`)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _key_values(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected key=value pairs, got {item!r}")
+        out[key] = json.loads(value) if value[:1] in "-0123456789tfn[{" else value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchSettings()
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model, help="checkpoint folder, 'demo', or 'random' (a ~30M random Llama)")
+    p.add_argument("--random-config", type=_key_values, default={}, help="LlamaConfig overrides for --model random, "
+                   "e.g. vocab_size=32000,tie_word_embeddings=false")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes, help="e.g. 1,8")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}")
+    p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="tracebacks with errors")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `augury bench`; every error is one line and exit status 2."""
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 2
+    try:
+        for name in ("prompt_len", "output_len", "repeats"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        settings = BenchSettings(
+            model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
+            prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
+            systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
+            threads=args.threads, random_config=args.random_config)
+        rows, out = bench(settings, progress=not args.no_progress)
+    except Exception as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split()) or type(exc).__name__}\n")
+        return 2
+    print(format_table(rows))
+    print(f"wrote {out / 'offline.json'} and {out / 'offline.png'}")
+    return 0

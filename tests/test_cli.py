@@ -1,0 +1,147 @@
+"""The `augury` command: generate prints what LLM generates, errors are one line, serve and
+bench are delegated, and a tiny benchmark run writes its table, JSON and plot."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from augury import SamplingParams
+from augury.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY_RANDOM = ("hidden_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
+               "intermediate_size=128,vocab_size=300")
+
+
+def one_line_error(capsys, code: int, *words: str) -> str:
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("augury"), err
+    assert "error:" in lines[0] and "Traceback" not in err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def test_generate_prints_the_greedy_text(tiny_checkpoint, make_llm, capsys) -> None:
+    folder = tiny_checkpoint("llama", tokenizer=True)
+    expected = make_llm(folder).generate("hello world ba", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert main(["generate", "--model", str(folder), "--max-tokens", "12", "--dtype", "float32",
+                 "--device", "cpu", "hello world ba"]) == 0
+    assert capsys.readouterr().out == expected[0].text + "\n" and expected[0].text
+
+
+def test_generate_chat(tiny_checkpoint, make_llm, capsys) -> None:
+    folder = tiny_checkpoint("qwen3", tokenizer=True)
+    expected = make_llm(folder).chat([{"role": "user", "content": "hello"}],
+                                     SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].text
+    assert main(["generate", "--chat", "--model", str(folder), "--max-tokens", "10", "--device", "cpu", "hello"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--bogus", "x"], ["unrecognized arguments: --bogus"]),
+    (["generate", "--max-tokens", "0", "hi"], ["--max-tokens must be a positive integer"]),
+    (["generate", "--temperature", "-1", "hi"], ["--temperature"]),
+    (["generate", "--speculative-num-steps", "3", "hi"], ["--speculative-eagle-topk", "--speculative-num-draft-tokens"]),
+    (["generate", "--dtype", "int4", "hi"], ["--dtype must be one of"]),
+    (["generate", "--model", "/no/such/folder", "hi"], ["/no/such/folder", "does not exist"]),
+    (["generate", "--max-tokens", "many", "hi"], ["--max-tokens", "invalid int value"]),
+    ([], ["choose a command"]),
+])
+def test_errors_are_one_line(argv, words, capsys) -> None:
+    one_line_error(capsys, main(argv), *words)
+
+
+def test_string_prompt_without_tokenizer(tiny_checkpoint, capsys) -> None:
+    folder = tiny_checkpoint("qwen2")
+    capsys.readouterr()
+    code = main(["generate", "--model", str(folder), "--device", "cpu", "hello"])
+    one_line_error(capsys, code, "no tokenizer")
+
+
+def test_debug_shows_the_traceback() -> None:
+    from augury.engine.builder import StartupError
+
+    with pytest.raises(StartupError, match="does not exist"):
+        main(["generate", "--debug", "--model", "/no/such/folder", "hi"])
+
+
+def test_serve_hands_over_all_its_arguments(monkeypatch) -> None:
+    seen: list[list[str]] = []
+
+    def fake_serve_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    monkeypatch.setitem(sys.modules, "augury.server", types.SimpleNamespace(serve_main=fake_serve_main))
+    argv = ["--model", "m", "--port", "0", "--help", "--speculative-policy", "static"]
+    assert main(["serve", *argv]) == 3
+    assert seen == [argv]
+
+
+def test_importing_the_cli_loads_neither_torch_nor_the_server() -> None:
+    code = "import sys, augury.cli; print(sorted(m for m in ('torch', 'augury.server') if m in sys.modules))"
+    env = os.environ | {"PYTHONPATH": SRC}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_real_process_error_has_no_traceback() -> None:
+    env = os.environ | {"PYTHONPATH": SRC}
+    proc = subprocess.run([sys.executable, "-m", "augury.cli", "generate", "--model", "/no/such/folder", "hi"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("augury: error: ")
+
+
+def _bench(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "bench"
+    code = main(["bench", "--batch-sizes", "1,3", "--prompt-len", "5", "--output-len", "6", "--repeats", "2",
+                 "--no-progress", "--out", str(out), *extra])
+    assert code == 0
+    assert (out / "offline.png").stat().st_size > 1000
+    return json.loads((out / "offline.json").read_text())
+
+
+def test_bench_random_model_side_by_side(tmp_path, capsys) -> None:
+    report = _bench(tmp_path, "--random-config", TINY_RANDOM)
+    table = capsys.readouterr().out
+    rows = report["results"]
+    assert [(r["batch_size"], r["system"]) for r in rows] == [
+        (1, "transformers"), (1, "augury"), (3, "transformers"), (3, "augury")]
+    for r in rows:
+        assert len(r["seconds"]) == 2 and r["tokens_per_s"] > 0
+        assert r["output_tokens"] == r["batch_size"] * 6
+        assert r["greedy_match"] == 1.0  # float32: augury and transformers agree token for token
+        assert r["ratio"] == pytest.approx(rows[0 if r["batch_size"] == 1 else 2]["median_s"] / r["median_s"])
+        assert r["system"] in table
+    assert report["model"]["vocab_size"] == 300 and report["model"]["layers"] == 2
+    assert report["environment"]["torch"]
+
+
+def test_bench_on_a_checkpoint_folder(tiny_checkpoint, tmp_path) -> None:
+    report = _bench(tmp_path, "--model", str(tiny_checkpoint("qwen2")), "--systems", "augury,transformers")
+    assert report["model"]["family"] == "qwen2"
+    assert report["model"]["parameters"] == 64 * 256 + 2 * (2 * 64 + (64 * 64 + 64 + 2 * (32 * 64 + 32))
+                                                           + 64 * 64 + 3 * 64 * 128) + 64
+    assert {r["system"] for r in report["results"]} == {"augury", "transformers"}
+    assert all(r["greedy_match"] == 1.0 for r in report["results"])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["bench", "--batch-sizes", "0,2"], ["positive integers"]),
+    (["bench", "--systems", "transformers,vllm", "--out", "{tmp}"], ["unknown system", "vllm"]),
+    (["bench", "--output-len", "0"], ["--output-len"]),
+])
+def test_bench_errors_are_one_line(argv, words, tmp_path, capsys) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    one_line_error(capsys, main(argv), *words)
