@@ -83,7 +83,8 @@ def create_app(state: ServerState) -> FastAPI:
         status = "starting" if not state.ready else "engine not running"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -65,12 +65,36 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 def _clean_loc(loc: tuple) -> str | None:
     """body.prompt.list[int].3 -> prompt.3: drop the body prefix and pydantic's union-member tags."""
     parts = [str(p) for p in loc if p != "body"]
-    parts = [p for p in parts if "[" not in p and p not in _UNION_TAGS and not p.startswith("function-")]
+    parts = [p for p in parts if "[" not in p and p not in _UNION_TAGS and not p.startswith(("function-", "constrained-"))]
     return ".".join(parts) or None
 
 
+def _common_prefix(locs: list[str]) -> str:
+    out = []
+    for parts in zip(*(loc.split(".") for loc in locs)):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return ".".join(out)
+
+
+def _describe_union(errors: list[dict[str, Any]], top: str) -> tuple[str, str | None, str]:
+    """A union none of whose forms matched: name the form of the right type if one stands out."""
+    locs = [_clean_loc(tuple(e.get("loc", ()))) or top for e in errors]
+    fitting = [(e, loc) for e, loc in zip(errors, locs) if not str(e.get("type", "")).endswith("_type")]
+    if fitting and len({loc for _, loc in fitting}) == 1:
+        e, loc = fitting[0]
+        if all(str(f.get("type", "")).endswith("too_short") for f, _ in fitting):
+            return f"{loc} must not be empty", top, "invalid_value"
+        if len(fitting) == 1:
+            return f"{loc}: {e.get('msg', 'invalid value')}", top, "invalid_value"
+    where = _common_prefix(locs) or top
+    return f"{where}: invalid value; none of the accepted forms matches (see /openapi.json)", top, "invalid_type"
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    errors = exc.errors()
+    """(message, param, code) for FastAPI's validation errors, first problem first."""
+    errors = list(exc.errors())
     if not errors:
         return "the request body is invalid", None, "invalid_request"
     first = errors[0]
@@ -83,8 +107,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
         return f"the request body must be a JSON object ({first.get('msg', 'invalid')})", None, "invalid_type"
     top = param.split(".")[0]
     same = [e for e in errors if (_clean_loc(tuple(e.get("loc", ()))) or "").split(".")[0] == top]
-    if len(same) > 1:  # a union none of whose forms matched
-        return f"{top}: invalid value; none of the accepted forms matches (see /openapi.json)", top, "invalid_type"
+    if len(same) > 1:
+        return _describe_union(same, top)
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return f"{param}: {first.get('msg', 'invalid value')}{more}", param, "invalid_type"
 

@@ -7,9 +7,13 @@ rejected with a 400 otherwise (see serving.py), never silently misapplied.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -24,11 +28,11 @@ class _SamplingFields(_Request):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM, SGLang)
-    n: int | None = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM, SGLang); -1 or 0: off
+    n: int | None = Field(1, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -39,13 +43,11 @@ class _SamplingFields(_Request):
     logprobs: Any = None
     user: str | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="text, a list of texts, token ids, or a list of token-id lists"
-    )
+    prompt: Prompt = Field(..., description="text, a list of texts, token ids, or a list of token-id lists")
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -57,14 +59,14 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -21,7 +21,6 @@ from augury.server.protocol import ChatCompletionRequest, CompletionRequest, _Sa
 
 # Temperatures this small are greedy in effect; the sampler would overflow on them (as vLLM does).
 GREEDY_BELOW = 1e-5
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -171,10 +170,7 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
 
 def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
     out = []
-    for i, m in enumerate(req.messages):
-        if m.role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
-                              f"messages.{i}.role")
+    for i, m in enumerate(req.messages):  # roles are checked by the request model
         content = m.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
