@@ -83,3 +83,27 @@ def test_burst_past_the_limit_gets_429_not_unbounded_queueing(server: ServerProc
     metrics = asyncio.run(_wait_clean(server.base_url))
     assert is_clean(metrics), metrics
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_speculating_server_under_load_stays_clean(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same with speculation on (n-gram: no head needed): aborts mid-verification leak nothing,
+    greedy streamed text equals the non-streamed text, and the acceptance metrics appear."""
+    import openai
+
+    tiny: Path = shared_tiny_checkpoint(tmp_path_factory)
+    with serve(["--model", str(tiny), "--dtype", "float32", "--max-num-seqs", "8", "--served-model-name", "tiny",
+                "--speculative-algorithm", "ngram"]) as sp:
+        client = openai.OpenAI(base_url=f"{sp.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt="the quick brown fox the quick brown fox", max_tokens=40, temperature=0,
+                  extra_body={"ignore_eos": True})
+        plain = client.completions.create(**kw).choices[0].text
+        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == plain
+        report = asyncio.run(run_load(sp.base_url, "tiny", requests=24, concurrency=24, max_tokens=32,
+                                      disconnect_fraction=0.25))
+        assert report.failed == 0 and report.disconnected == 6 and report.tokens == 18 * 32
+        assert report.clean_after, report.metrics_after
+        text = httpx.get(f"{sp.base_url}/metrics").text
+        assert 'augury:spec_acceptance_rate{model_name="tiny",position="1"}' in text
+        assert "augury:spec_draft_size_steps_total{" in text
+        assert report.metrics_after["augury:spec_steps_total"] > 0
+        assert "Traceback" not in sp.log

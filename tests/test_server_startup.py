@@ -221,3 +221,12 @@ def test_debug_shows_the_traceback() -> None:
     proc = run_serve(["--debug"], timeout=60, AUGURY_FAULT_INJECT="configuration")
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and f"{ERROR_PREFIX}'configuration'" in proc.stderr
+
+
+def test_augury_serve_is_this_server() -> None:
+    """`augury serve ...` (cli.py) hands its flags to serve_main: same checks, same one line."""
+    proc = subprocess.run([sys.executable, "-m", "augury.cli", "serve", "--speculative-disable-batch-threshold", "-3"],
+                          env=server_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"{ERROR_PREFIX}'configuration': --speculative-disable-batch-threshold must be "
+                                   "a positive integer, got -3")

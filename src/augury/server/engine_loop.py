@@ -55,6 +55,7 @@ class Snapshot:
     last_draft_tokens: int = 0
     steps_spec: int = 0
     steps_plain: int = 0
+    draft_size_steps: tuple[tuple[int, int], ...] = ()  # (draft tokens chosen, decode steps that chose it)
     num_preemptions: int = 0
     step_errors: int = 0
     alive: bool = False
@@ -105,6 +106,8 @@ class EngineLoop:
         self._members: dict[str, tuple[RequestGroup, int]] = {}  # in flight: id -> (group, index)
         self._stopping = False
         self._step_errors = 0
+        self._draft_sizes: dict[int, int] = {}  # the policy's choice at each decode step, counted
+        self._policy_steps = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="augury-engine", daemon=True)
         self.snapshot = self._take_snapshot(alive=False)
@@ -165,7 +168,10 @@ class EngineLoop:
                     except Exception as exc:  # an engine bug: contain it, or stop for good
                         self._recover(exc)
                         outputs = []
-                    self._deliver([(out.request_id, out) for out in outputs])
+                    self._count_draft_size()
+                    routed = self._route([(out.request_id, out) for out in outputs])
+                    self.snapshot = self._take_snapshot(alive=True)  # before a client can see its output
+                    self._send(routed)
                 self.snapshot = self._take_snapshot(alive=True)
         except BaseException as exc:
             self.fatal_error = exc
@@ -206,18 +212,35 @@ class EngineLoop:
         if not clean:
             raise RuntimeError(f"engine state is inconsistent after a failed step ({type(exc).__name__}: {exc})")
 
+    def _count_draft_size(self) -> None:
+        """One count per decode step the speculation policy decided (its choice: stats.last_draft_tokens)."""
+        stats = self.engine.stats
+        steps = stats.steps_spec + stats.steps_plain
+        if steps < self._policy_steps:  # the stats were reset
+            self._policy_steps = 0
+        if steps > self._policy_steps:
+            size = stats.last_draft_tokens
+            self._draft_sizes[size] = self._draft_sizes.get(size, 0) + steps - self._policy_steps
+            self._policy_steps = steps
+
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         """Route outputs (or errors) to their groups' queues in the event loop."""
+        self._send(self._route(items))
+
+    def _route(self, items: list[tuple[str, object]]) -> list[tuple[RequestGroup, int, object]]:
+        """Find each item's group; a final item takes its request out of the in-flight set."""
         routed = []
         with self._cond:
             for rid, item in items:
                 member = self._members.get(rid)
                 if member is None:
                     continue  # aborted meanwhile: nobody is listening
-                final = isinstance(item, BaseException) or item.finished
-                if final:
+                if isinstance(item, BaseException) or item.finished:
                     del self._members[rid]
                 routed.append((member[0], member[1], item))
+        return routed
+
+    def _send(self, routed: list[tuple[RequestGroup, int, object]]) -> None:
         if routed and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(_dispatch, routed)
@@ -240,6 +263,7 @@ class EngineLoop:
             generation_tokens_total=stats.generation_tokens_total, accept_length=stats.accept_length,
             acceptance_rates=tuple(stats.acceptance_rates()), last_draft_tokens=stats.last_draft_tokens,
             steps_spec=stats.steps_spec, steps_plain=stats.steps_plain,
+            draft_size_steps=tuple(sorted(self._draft_sizes.items())),
             num_preemptions=engine.scheduler.num_preemptions, step_errors=self._step_errors, alive=alive,
         )
 

@@ -47,6 +47,12 @@ class _EngineCollector(Collector):
         for i, rate in enumerate(s.acceptance_rates):
             rates.add_metric([self._model, str(i + 1)], rate)
         yield rates
+        chosen = CounterMetricFamily("augury:spec_draft_size_steps",
+                                     "Decode steps by the draft size the speculation policy chose (0 = off).",
+                                     labels=["model_name", "draft_tokens"])
+        for size, steps in s.draft_size_steps:
+            chosen.add_metric([self._model, str(size)], steps)
+        yield chosen
         for name, doc, value in (
             ("augury:generation_tokens", "Generated tokens.", s.generation_tokens_total),
             ("augury:spec_steps", "Decode steps that speculated.", s.steps_spec),
