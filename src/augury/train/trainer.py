@@ -1,0 +1,217 @@
+"""The training loop: frozen target features per batch, TTT loss, AdamW, checkpoints, resume.
+
+A checkpoint (<ckpt>/latest.pt) holds the head's trainable tensors, the optimizer, the step
+and the data position (epoch, next batch); batches are a pure function of (seed, epoch),
+so a resumed run continues exactly where the last checkpoint left it. <ckpt>/best.pt keeps
+the head with the best held-out estimated acceptance length.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from augury.models.eagle3 import Eagle3Head
+from augury.models.llama import TargetModel
+from augury.train.data import Sample, epoch_batches
+from augury.train.head import head_state, trainable_parameters
+from augury.train.ttt import target_features, ttt_loss
+
+log = logging.getLogger("augury.train")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.05
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_length: int = 7
+    ttt_fraction: float = 1.0  # share of chains unrolled past step 0 (1.0 = all, the EAGLE recipe)
+    decay: float = 0.8
+    batch_tokens: int = 2048
+    epochs: int = 1
+    max_steps: int | None = None
+    save_every: int = 100
+    seed: int = 0
+    bf16_autocast: bool = False
+
+
+def estimated_accept_length(acc: list[float]) -> float:
+    """1 + sum_k prod_{j<k} acc_j: tokens per verification if step-j acceptances were independent."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+def pad_batch(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ids [B, L] right-padded with 0, lengths [B], prompt_lens [B]."""
+    n = max(len(s.ids) for s in samples)
+    ids = torch.zeros(len(samples), n, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+    return ids, torch.tensor([len(s.ids) for s in samples]), torch.tensor([s.prompt_len for s in samples])
+
+
+class Trainer:
+    def __init__(self, target: TargetModel, head: Eagle3Head, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                 aux_layers: tuple[int, ...], train: list[Sample], valid: list[Sample], settings: TrainSettings,
+                 ckpt_dir: Path) -> None:
+        self.target, self.head, self.settings = target, head, settings
+        self.draft_ids, self.t2d, self.aux_layers = draft_ids, t2d, aux_layers
+        self.train, self.valid, self.ckpt_dir = train, valid, ckpt_dir
+        s = settings
+        self.epoch_sizes = [len(epoch_batches(train, e, s.seed, s.batch_tokens)) for e in range(s.epochs)]
+        self.total_steps = sum(self.epoch_sizes) if s.max_steps is None else min(s.max_steps, sum(self.epoch_sizes))
+        if self.total_steps < 1:
+            raise ValueError("no training batches: generate more data or lower --max-seq-len")
+        params = [p for _, p in trainable_parameters(head)]
+        self.opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+        self.step, self.epoch, self.batch_index, self.best = 0, 0, 0, 0.0
+        self.history: list[dict] = []
+
+    # ----------------------------------------------------------------- schedule
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine from lr down to min_lr_ratio * lr at the last step."""
+        s = self.settings
+        warm = max(1, int(s.warmup_ratio * self.total_steps))
+        if step < warm:
+            return s.lr * (step + 1) / warm
+        t = (step - warm) / max(1, self.total_steps - warm)
+        return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+    def _autocast(self):
+        if self.settings.bf16_autocast:
+            return torch.autocast("cpu" if self.head.fc.weight.device.type == "cpu" else "cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, samples: list[Sample], fraction: float = 1.0):
+        ids, lengths, prompt_lens = pad_batch(samples)
+        dev = self.head.fc.weight.device
+        feats = target_features(self.target, ids.to(dev), lengths.to(dev), prompt_lens.to(dev), self.aux_layers,
+                                self.draft_ids, self.t2d)
+        with self._autocast():
+            gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + self.step)  # replayed on resume
+            res = ttt_loss(self.head, ids.to(dev), feats, self.settings.ttt_length, self.settings.decay, fraction, gen)
+            return res, ids.numel()
+
+    # --------------------------------------------------------------- checkpoints
+    def save(self, name: str = "latest.pt") -> None:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {"head": head_state(self.head), "optim": self.opt.state_dict(), "step": self.step,
+                 "epoch": self.epoch, "batch_index": self.batch_index, "best": self.best,
+                 "history": self.history, "settings": asdict(self.settings)}
+        tmp = self.ckpt_dir / (name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt_dir / name)  # never a half-written checkpoint
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, weights_only=False)
+        if state["settings"] != asdict(self.settings):
+            log.warning("resuming with changed settings: %s -> %s", state["settings"], asdict(self.settings))
+        params = dict(trainable_parameters(self.head))
+        with torch.no_grad():
+            for name, t in state["head"].items():
+                params[name].copy_(t)
+        self.opt.load_state_dict(state["optim"])
+        self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
+        self.best, self.history = state["best"], state["history"]
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.step, self.epoch, self.batch_index)
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Per-step top-1 accuracy on held-out generated sequences, and the acceptance estimate."""
+        correct = [0] * self.settings.ttt_length
+        counted = [0] * self.settings.ttt_length
+        for batch in epoch_batches(self.valid, 0, self.settings.seed, self.settings.batch_tokens):
+            res, _ = self._loss([self.valid[i] for i in batch])
+            correct = [a + b for a, b in zip(correct, res.correct)]
+            counted = [a + b for a, b in zip(counted, res.counted)]
+        acc = [c / max(n, 1) for c, n in zip(correct, counted)]
+        return {"step": self.step, "valid_acc": [round(a, 4) for a in acc],
+                "valid_tau": round(estimated_accept_length(acc), 4)}
+
+    def _checkpoint(self, log_path: Path) -> None:
+        metrics = self.validate() if self.valid else {"step": self.step}
+        self.history.append(metrics)
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"event": "valid", **metrics}) + "\n")
+        tau = metrics.get("valid_tau", 0.0)
+        if tau >= self.best:
+            self.best = tau
+            self.save("best.pt")
+        self.save()
+        log.info("step %d: held-out acc per step %s, estimated acceptance length %.3f (best %.3f)",
+                 self.step, metrics.get("valid_acc"), tau, self.best)
+
+    # ---------------------------------------------------------------------- loop
+    def run(self, log_path: Path, show_progress: bool = True, time_limit: float | None = None,
+            stop_at_step: int | None = None) -> bool:
+        """Train to the end, or until `time_limit` seconds have passed or `stop_at_step` is reached
+        (then a checkpoint is saved and False returned: resume later with `load`)."""
+        s = self.settings
+        start = time.perf_counter()
+        self.head.train()
+        ema: list[float] | None = None
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not show_progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < self.total_steps and self.epoch < s.epochs:
+                batches = epoch_batches(self.train, self.epoch, s.seed, s.batch_tokens)
+                while self.batch_index < len(batches) and self.step < self.total_steps:
+                    t0 = time.perf_counter()
+                    for g in self.opt.param_groups:
+                        g["lr"] = self.lr_at(self.step)
+                    res, ntok = self._loss([self.train[i] for i in batches[self.batch_index]], s.ttt_fraction)
+                    self.opt.zero_grad(set_to_none=True)
+                    res.loss.backward()
+                    gnorm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), s.grad_clip)
+                    self.opt.step()
+                    self.step += 1
+                    self.batch_index += 1
+                    acc = [c / n if n else 0.0 for c, n in zip(res.correct, res.counted)]
+                    ema = acc if ema is None else [0.95 * e + 0.05 * a for e, a in zip(ema, acc)]
+                    dt = time.perf_counter() - t0
+                    bar.update(1)
+                    bar.set_postfix_str(f"loss {float(res.loss.detach()):.3f} acc {'/'.join(f'{a:.2f}' for a in ema[:4])} "
+                                        f"tau~{estimated_accept_length(ema):.2f} {ntok / dt:.0f} tok/s")
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps({"event": "step", "step": self.step, "epoch": self.epoch,
+                                            "loss": round(float(res.loss.detach()), 4),
+                                            "step_loss": [round(x, 4) for x in res.step_loss],
+                                            "acc": [round(a, 4) for a in acc], "grad_norm": round(float(gnorm), 4),
+                                            "lr": self.lr_at(self.step - 1), "tokens": ntok,
+                                            "seconds": round(dt, 3)}) + "\n")
+                    if self.step % s.save_every == 0 or self.step == self.total_steps:
+                        self._checkpoint(log_path)
+                    out_of_time = time_limit is not None and time.perf_counter() - start > time_limit
+                    if (out_of_time or self.step == stop_at_step) and self.step < self.total_steps:
+                        if self.batch_index >= len(batches):
+                            self.epoch, self.batch_index = self.epoch + 1, 0
+                        if self.step % s.save_every:
+                            self._checkpoint(log_path)
+                        log.info("stopped at step %d of %d; --resume continues", self.step, self.total_steps)
+                        return False
+                if self.batch_index >= len(batches):
+                    self.epoch += 1
+                    self.batch_index = 0
+        except KeyboardInterrupt:
+            self.save()  # keep the work done since the last periodic checkpoint
+            log.warning("interrupted at step %d; checkpoint saved, rerun with --resume", self.step)
+            raise
+        finally:
+            bar.close()
+            self.head.eval()
+        return True
