@@ -1,0 +1,179 @@
+"""EAGLE-3 head training: TTT maths against the head's own forward, the mapping tensors, exact
+resume, and the whole `augury train-draft` pipeline on a tiny learnable target, whose trained
+head must be accepted by augury's engine far more often than an untrained one.
+
+The tiny target is a random 4-layer Llama whose attention and MLP outputs are zeroed, so
+its next token is a fixed function of the current one (a bigram map): greedy decoding
+walks into short cycles, low-entropy text a one-layer head can learn in seconds.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from augury.models.eagle3 import load_eagle3
+from augury.models.loader import load_target
+from augury.train import train_main
+from augury.train.data import Sample
+from augury.train.evaluate import evaluate_head
+from augury.train.head import build_head, export_head, head_config
+from augury.train.prompts import Prompt, builtin_prompts, make_splits
+from augury.train.trainer import Trainer, TrainSettings
+from augury.train.ttt import target_features, ttt_step
+from augury.train.vocab import build_draft_vocab, mapping_tensors
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def bigram_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()  # every layer passes the embedding through: logits depend on the last token only
+            elif "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+        # next token = f(current), f a random map into ordinary ids (never EOS): row f(x) of
+        # lm_head gets the normalised embedding of x, so its logit is ~H against ~sqrt(H) for others
+        emb = model.model.embed_tokens.weight
+        unit = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
+        f = torch.randint(3, VOCAB, (VOCAB,), generator=gen)
+        model.lm_head.weight.zero_().index_add_(0, f, unit)
+    out = tmp_path_factory.mktemp("bigram") / "target"
+    model.save_pretrained(str(out))
+    return out
+
+
+def _prompt_file(folder: Path, n: int) -> Path:
+    rng = random.Random(0)
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"ids": [1] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 6))]})
+                            + "\n" for _ in range(n)))
+    return path
+
+
+def test_ttt_step_equals_head_forward_with_ttt_mask(bigram_target: Path) -> None:
+    target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
+    head = build_head(target, head_config(tcfg, 32, (0, 1, 2)), torch.arange(0, 64, 2), 64, seed=1)
+    b, n, steps = 2, 7, 4
+    toks = torch.randint(0, VOCAB, (b, n + steps))
+    idx = torch.arange(n)[None].expand(b, n)
+    some = torch.tensor([[5, 0, 3], [6, 2, 2]])  # a subset of chains (repeats allowed), any order
+    rows = torch.arange(b)[:, None]
+    h = ref = torch.randn(b, n, tcfg.hidden_size)
+    ctx, chain, sub_chain, ref_k, ref_v = None, [], [], [], []
+    with torch.no_grad():
+        for j in range(steps):
+            if j == 1:
+                sub = h[rows, some]
+            if j >= 1:  # the same chains, unrolled alone, give the same rows
+                sub, k, v = ttt_step(head, toks[rows, some + j], sub, some, j, ctx, sub_chain)
+                sub_chain.append((k, v))
+            h, k, v = ttt_step(head, toks[:, j : j + n], h, idx, j, ctx, chain)
+            if j == 0:
+                ctx = (k, v)
+            else:
+                chain.append((k, v))
+            # reference: step-0 keys causal, step-i keys (i >= 1) only at the query's own index
+            mask = torch.cat([torch.ones(n, n, dtype=torch.bool).tril()] + [torch.eye(n, dtype=torch.bool)] * j, 1)
+            kv = (torch.cat(ref_k, 1), torch.cat(ref_v, 1)) if j else None
+            ref, k, v = head(toks[:, j : j + n], ref, idx + j, kv, mask[None, None], False)
+            ref_k.append(k)
+            ref_v.append(v)
+            torch.testing.assert_close(h, ref, rtol=1e-5, atol=1e-5)
+            if j >= 1:
+                torch.testing.assert_close(sub, ref[rows, some], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_vocab_and_mapping_format() -> None:
+    ids = build_draft_vocab([[5, 5, 5, 9, 9, 7], [9, 3]], vocab_size=12, draft_vocab_size=4)
+    assert ids.tolist() == [3, 5, 7, 9]  # the 4 most frequent, ascending
+    d2t, t2d = mapping_tensors(ids, 12)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (12,)
+    assert (torch.arange(4) + d2t).tolist() == [3, 5, 7, 9] and t2d.nonzero().flatten().tolist() == [3, 5, 7, 9]
+    padded = build_draft_vocab([[4]], vocab_size=6, draft_vocab_size=3)  # unseen ids fill the rest
+    assert padded.tolist() == [0, 1, 4]
+
+
+def test_builtin_prompts_split_is_disjoint_and_stable() -> None:
+    prompts = [Prompt(t) for t in builtin_prompts()]
+    assert len(prompts) >= 2000 and len({p.text for p in prompts}) == len(prompts)
+    a, b = make_splits(prompts, 500, seed=0), make_splits(prompts, 2000, seed=3)
+    assert not {p.text for p in a["eval"]} & {p.text for p in b["train"] + b["valid"]}
+    assert {p.text for p in a["eval"]} == {p.text for p in b["eval"]}  # split by hash, not by order
+
+
+def test_resume_continues_exactly(bigram_target: Path, tmp_path: Path) -> None:
+    target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
+    rng = random.Random(1)
+    samples = [Sample(tuple([1] + [rng.randrange(3, VOCAB) for _ in range(20)]), 3) for _ in range(24)]
+    draft_ids = torch.arange(0, VOCAB, 2)
+    t2d = mapping_tensors(draft_ids, VOCAB)[1]
+    settings = TrainSettings(lr=1e-3, ttt_length=3, batch_tokens=84, save_every=2, epochs=2)
+
+    def trainer(ckpt: Path) -> Trainer:
+        head = build_head(target, head_config(tcfg, draft_ids.numel(), (0, 1, 2)), draft_ids, 64, seed=0)
+        return Trainer(target, head, draft_ids, t2d, (0, 1, 2), samples, samples[:4], settings, ckpt)
+
+    full = trainer(tmp_path / "a")
+    assert full.run(tmp_path / "a.jsonl", show_progress=False)
+    cut = trainer(tmp_path / "b")
+    assert not cut.run(tmp_path / "b.jsonl", show_progress=False, stop_at_step=full.total_steps // 2 + 1)
+    resumed = trainer(tmp_path / "b")
+    resumed.load(tmp_path / "b" / "latest.pt")
+    assert resumed.run(tmp_path / "b.jsonl", show_progress=False)
+    assert resumed.step == full.step
+    for (name, p), q in zip(full.head.named_parameters(), resumed.head.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "head"
+    args = ["--target", str(bigram_target), "--out", str(out), "--prompts-file", str(_prompt_file(tmp_path, 200)),
+            "--num-prompts", "120", "--max-new-tokens", "24", "--temperatures", "0", "--gen-batch", "64",
+            "--shard-size", "64", "--dtype", "float32", "--draft-vocab-size", "48", "--ttt-length", "4",
+            "--max-seq-len", "48", "--batch-tokens", "480", "--epochs", "8", "--lr", "3e-3", "--save-every", "16",
+            "--precision", "fp32", "--export-dtype", "float32", "--eval-prompts", "8", "--eval-batch1", "2",
+            "--eval-max-tokens", "24", "--spec-steps", "4", "--no-progress"]
+    assert train_main(args) == 0
+    work = tmp_path / "head-work"
+
+    # the export is a strict-loading SGLang/vLLM EAGLE-3 folder
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 48 and cfg["vocab_size"] == VOCAB
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
+    head = load_eagle3(out, tcfg, target.embed_tokens, torch.float32, torch.device("cpu"), 64)
+    assert head.lm_head.weight.shape == (48, 32)
+
+    # an untrained head (same init, no steps) measured the same way
+    draft_ids = torch.load(work / "vocab.pt")["draft_ids"]
+    untrained = export_head(build_head(target, head_config(tcfg, 48, (0, 1, 2)), draft_ids, 64, seed=0), tcfg,
+                            draft_ids, tmp_path / "untrained", torch.float32)
+    splits = make_splits([Prompt(None, tuple(json.loads(line)["ids"]))
+                          for line in (tmp_path / "prompts.jsonl").read_text().splitlines()], 120, seed=0)
+    before = evaluate_head(bigram_target, untrained, splits["eval"][:8], 4, 24, "float32", 0)["batch8"]
+    after = json.loads((work / "eval.json").read_text())
+    trained = after["batch8"]
+    assert after["batch1"]["requests"] == 2 and len(trained["accept_rate_per_position"]) == 4
+    assert trained["accept_length"] >= 2.5, trained
+    assert trained["accept_length"] > before["accept_length"] + 1.0, (before, trained)
+
+    # features: the label mask never scores prompt positions or the last token
+    ids = torch.tensor([[1, 5, 6, 7, 8, 0]])
+    feats = target_features(target, ids, torch.tensor([5]), torch.tensor([3]), (0, 1, 2), draft_ids,
+                            mapping_tensors(draft_ids, VOCAB)[1])
+    assert feats.label_ok[0, :2].sum() == 0 and feats.label_ok[0, 4:].sum() == 0
