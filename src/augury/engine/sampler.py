@@ -14,6 +14,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         p = req.params
         if p.temperature == 0.0:
             continue
-        probs = apply_sampling_filters(logits[i], p.temperature, p.top_k, p.top_p)  # [V]
+        # [V]; request generators live on the CPU, so draw there
+        probs = apply_sampling_filters(logits[i], p.temperature, p.top_k, p.top_p).cpu()
         out[i] = int(torch.multinomial(probs, 1, generator=req.generator).item())
     return out

@@ -87,14 +87,14 @@ class Eagle3Proposer:
         head, dev = self.head, self.device
         b, k, steps = len(reqs), shape.topk, shape.num_steps
         parent_h = self.catch_up(engine, reqs)  # [B, H]
-        nc = torch.tensor([r.num_computed for r in reqs])
+        nc = torch.tensor([r.num_computed for r in reqs], device=dev)
         roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
 
         logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
         top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
-        cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1)], [top_lp]
+        cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1, device=dev)], [top_lp]
         frontier_tok, frontier_score = cand_tok[0], top_lp  # [B, k]
-        frontier_cand = torch.arange(k).expand(b, k)  # candidate index of each frontier node
+        frontier_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
         if steps > 1:
             # context keys of the head's cache (positions < nc), read once for all steps
@@ -102,7 +102,7 @@ class Eagle3Proposer:
                                     engine.allocator.block_size, dev)
             c = ctxb.ctx_index.shape[1]
             ctx_k, ctx_v = self.cache.k[0][ctxb.ctx_index], self.cache.v[0][ctxb.ctx_index]  # [B, C, nkv, hd]
-            ctx_ok = (torch.arange(c)[None, :] < nc[:, None]).to(dev)  # [B, C]
+            ctx_ok = torch.arange(c, device=dev)[None, :] < nc[:, None]  # [B, C]
             fed = k * (steps - 1)
             anc = torch.zeros(b, fed, fed, dtype=torch.bool, device=dev)  # ancestor-or-self among fed nodes
             fed_k, fed_v = [], []
@@ -110,15 +110,15 @@ class Eagle3Proposer:
         n_cand = k
         for s in range(1, steps):
             lo = (s - 1) * k  # fed indices of this frontier: lo .. lo+k-1
-            rows = torch.arange(b)[:, None]
+            rows = torch.arange(b, device=dev)[:, None]
             if frontier_fed_parent is not None:
                 anc[:, lo : lo + k] = anc[rows, frontier_fed_parent]
             anc[:, lo : lo + k, lo : lo + k] |= torch.eye(k, dtype=torch.bool, device=dev)
-            pos = (nc - 1 + s)[:, None].expand(b, k).to(dev)
+            pos = (nc - 1 + s)[:, None].expand(b, k)
             mask = torch.cat([ctx_ok[:, None, :].expand(b, k, c), anc[:, lo : lo + k, : lo + k]], dim=-1)[:, None]
             kk = torch.cat([ctx_k] + fed_k, dim=1)
             vv = torch.cat([ctx_v] + fed_v, dim=1)
-            out, k_new, v_new = head(frontier_tok.to(dev), frontier_h, pos, (kk, vv), mask, False)
+            out, k_new, v_new = head(frontier_tok, frontier_h, pos, (kk, vv), mask, False)
             fed_k.append(k_new)
             fed_v.append(v_new)
             lp = torch.log_softmax(head.logits(out), dim=-1)  # [B, k, Vd]
@@ -135,7 +135,7 @@ class Eagle3Proposer:
             frontier_tok = toks.gather(1, best)
             frontier_score = best_score
             frontier_cand = n_cand + best
-            frontier_h = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]).to(dev))
+            frontier_h = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]))
             frontier_fed_parent = lo + parent_slot
             n_cand += k * k
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
