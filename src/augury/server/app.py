@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -65,7 +65,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit)
 
-    def require_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    def require_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         key = state.api_key
         if key is None:
             return

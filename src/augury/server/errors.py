@@ -65,7 +65,8 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 def _clean_loc(loc: tuple) -> str | None:
     """body.prompt.list[int].3 -> prompt.3: drop the body prefix and pydantic's union-member tags."""
     parts = [str(p) for p in loc if p != "body"]
-    parts = [p for p in parts if "[" not in p and p not in _UNION_TAGS and not p.startswith(("function-", "constrained-"))]
+    tags = ("function-", "constrained-")
+    parts = [p for p in parts if "[" not in p and p not in _UNION_TAGS and not p.startswith(tags)]
     return ".".join(parts) or None
 
 

@@ -40,13 +40,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def read_metrics(base_url: str, api_key: str | None = None) -> dict[str, float]:
+def read_metrics(base_url: str) -> dict[str, float]:
     """The augury:* samples of /metrics, labels dropped (one model per server)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^(augury:[a-z_:]+)(\{[^}]*\})?\s+(\S+)$", line)
-        labels = m.group(2) or "" if m else ""
+        labels = (m.group(2) or "") if m else ""
         if m and "position=" not in labels and "le=" not in labels and not m.group(1).endswith("_created"):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
@@ -83,7 +83,8 @@ async def _one(client: Any, model: str, i: int, max_tokens: int, disconnect_afte
 
 
 async def run_load(base_url: str, model: str, requests: int = 32, concurrency: int = 32, max_tokens: int = 32,
-                   disconnect_fraction: float = 0.25, api_key: str = "none", settle_seconds: float = 30.0) -> LoadReport:
+                   disconnect_fraction: float = 0.25, api_key: str = "none",
+                   settle_seconds: float = 30.0) -> LoadReport:
     import openai
 
     every = round(1 / disconnect_fraction) if disconnect_fraction > 0 else 0

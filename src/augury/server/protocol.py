@@ -24,7 +24,7 @@ class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
@@ -46,7 +46,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(..., description="text, a list of texts, token ids, or a list of token-id lists")
     echo: bool | None = False
     best_of: int | None = None
@@ -64,7 +64,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None

@@ -17,7 +17,7 @@ from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, 
 from augury.server.errors import APIError, bad_request
 from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
-from augury.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # Temperatures this small are greedy in effect; the sampler would overflow on them (as vLLM does).
 GREEDY_BELOW = 1e-5
@@ -64,7 +64,7 @@ def check_model(state: ServerState, model: str | None) -> None:
                        "model_not_found", "model")
 
 
-def _reject_unsupported(req: _SamplingFields, extra: dict[str, Any]) -> None:
+def _reject_unsupported(req: SamplingFields, extra: dict[str, Any]) -> None:
     neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logprobs": (None, False)}
     for name, ok in neutral.items():
         value = getattr(req, name)
@@ -79,7 +79,7 @@ def _reject_unsupported(req: _SamplingFields, extra: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
-def _sampling(req: _SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
+def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
               default_max: int | None, choice: int) -> SamplingParams:
     room = state.max_model_len - prompt_len
     if room < 1:
@@ -122,7 +122,7 @@ def _sampling(req: _SamplingFields, max_tokens: int | None, prompt_len: int, sta
         raise bad_request(str(e)) from None
 
 
-def _check_n(req: _SamplingFields, num_prompts: int, state: ServerState) -> int:
+def _check_n(req: SamplingFields, num_prompts: int, state: ServerState) -> int:
     n = 1 if req.n is None else req.n
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
