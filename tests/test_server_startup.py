@@ -155,8 +155,6 @@ def test_injected_fault_in_a_real_process(subprocess_outcomes: dict[str, Outcome
     _assert_stopped_there(subprocess_outcomes["warm-up"], "warm-up")
 
 
-@pytest.mark.xfail(reason="engine/builder.py turns a fault in the optional 'CUDA graphs' stage into a fatal "
-                          "StartupError instead of degrading to eager mode with a warning", strict=False)
 def test_cuda_graphs_fault_degrades_with_a_warning(subprocess_outcomes: dict[str, Outcome]) -> None:
     out = subprocess_outcomes["CUDA graphs"]
     assert out.became_ready, out.output

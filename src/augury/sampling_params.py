@@ -1,7 +1,10 @@
 """Per-request sampling settings, validated where they are made."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM)
 
 
 @dataclass
@@ -29,8 +32,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # dividing logits by ~0 overflows; it means greedy anyway
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1):

@@ -2,14 +2,15 @@
 
 configuration -> target -> draft head -> KV cache -> CUDA graphs -> warm-up. The Engine is
 constructed only from parts that finished building, so a failure anywhere leaves no
-half-built engine behind. Optional stages (CUDA graphs) degrade with a warning instead.
+half-built engine behind. The optional stage (CUDA graphs) degrades to eager execution
+with a warning instead.
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,22 +33,20 @@ class StartupError(RuntimeError):
         super().__init__(f"start-up failed at stage '{stage}': {cause}")
 
 
-@dataclass
-class _Stage:
-    name: str
-    notify: Callable[[str], None] | None
-
-    def __enter__(self) -> None:
-        if self.notify is not None:
-            self.notify(self.name)
-        log.info("start-up stage: %s", self.name)
-        if injected_fault_stage() == self.name:
+@contextmanager
+def _stage(name: str, notify: Callable[[str], None] | None) -> Iterator[None]:
+    """Run one named stage: any failure inside it (an injected one included) is a StartupError."""
+    if notify is not None:
+        notify(name)
+    log.info("start-up stage: %s", name)
+    try:
+        if injected_fault_stage() == name:
             raise RuntimeError("fault injected by AUGURY_FAULT_INJECT")
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and not isinstance(exc, StartupError):
-            raise StartupError(self.name, exc) from exc
-        return False
+        yield
+    except StartupError:
+        raise
+    except Exception as exc:
+        raise StartupError(name, exc) from exc
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -78,7 +77,7 @@ def eos_ids(folder: Path, cfg_eos: tuple[int, ...], tokenizer) -> set[int]:
 
 
 def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = None, warmup: bool = True) -> Engine:
-    with _Stage("configuration", notify):
+    with _stage("configuration", notify):
         from augury.demo import resolve_model
 
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -93,14 +92,14 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         max_len = config.max_model_len or min(limits)
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
-    with _Stage("target", notify):
+    with _stage("target", notify):
         model, tcfg = load_target(folder, dtype, device, max_len)
         tokenizer = load_tokenizer(folder)
-    with _Stage("draft head", notify):
+    with _stage("draft head", notify):
         from augury.spec.worker import build_speculator
 
         speculator = build_speculator(config, model, tcfg, folder, dtype, device, max_len)
-    with _Stage("KV cache", notify):
+    with _stage("KV cache", notify):
         bs = config.block_size
         per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)
         if speculator is not None:
@@ -115,13 +114,18 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         kv = KVCache(tcfg.num_layers, num_blocks, bs, tcfg.num_kv_heads, tcfg.head_dim, dtype, device)
         if speculator is not None:
             speculator.allocate_cache(num_blocks, bs)
-    with _Stage("CUDA graphs", notify):
-        if device.type == "cuda":
-            log.warning("CUDA graphs are not implemented; running eagerly (documented fallback)")
-    engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
-                    max_len, device, speculator)
+        engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
+                        max_len, device, speculator)
+    try:
+        # Optional stage: its documented fallback is eager execution, so a failure here warns
+        # and start-up goes on with an engine that never depended on graphs.
+        with _stage("CUDA graphs", notify):
+            if device.type == "cuda":
+                log.warning("CUDA graph capture is not implemented yet; running eagerly")
+    except StartupError as exc:
+        log.warning("stage 'CUDA graphs' failed (%s); falling back to eager execution", exc.cause)
     if warmup:
-        with _Stage("warm-up", notify):
+        with _stage("warm-up", notify):
             run_warmup(engine)
     return engine
 
