@@ -5,7 +5,8 @@ same --batch-size prompts of --prompt-len random token ids, in the same dtype an
 After warm-up, the systems take turns (order alternating per repeat, so slow drift in a
 shared machine's load hits all of them alike); the median of the repeats is reported as
 output tokens per second, with the ratio to the reference system (the first one) and how
-many greedy sequences equal the reference's. A table is printed; JSON and a PNG plot are
+many greedy sequences equal the reference's. Process CPU time is recorded beside wall-clock
+time: on a machine shared with other work it is the steadier of the two (use --threads 1). A table is printed; JSON and a PNG plot are
 written into --out.
 """
 from __future__ import annotations
@@ -47,9 +48,11 @@ class BenchSettings:
 class Row:
     system: str
     batch_size: int
-    seconds: list[float]  # one per repeat
+    seconds: list[float]  # wall-clock, one per repeat
+    cpu_seconds: list[float]  # this process's CPU time, one per repeat (steadier on a shared machine)
     output_tokens: int  # per repeat: batch_size * output_len
-    ratio: float = 1.0  # tokens/s over the reference system's
+    ratio: float = 1.0  # tokens/s over the reference system's (wall-clock medians)
+    cpu_ratio: float = 1.0  # the same with CPU-time medians
     greedy_match: float = 1.0  # fraction of sequences equal to the reference's
 
     @property
@@ -60,8 +63,13 @@ class Row:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.median_s
 
+    @property
+    def median_cpu_s(self) -> float:
+        return statistics.median(self.cpu_seconds)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s}
+        return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s,
+                               "median_cpu_s": self.median_cpu_s}
 
 
 def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -85,41 +93,45 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                     system.generate(prompts, min(settings.output_len, 8))
                     bar.update(1)
             seconds: dict[str, list[float]] = {s.name: [] for s in systems}
+            cpu: dict[str, list[float]] = {s.name: [] for s in systems}
             outputs: dict[str, list[list[int]]] = {}
             for r in range(settings.repeats):
                 for system in systems if r % 2 == 0 else systems[::-1]:
                     bar.set_postfix_str(f"batch {b} {system.name}")
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     out = system.generate(prompts, settings.output_len)
                     seconds[system.name].append(time.perf_counter() - start)
+                    cpu[system.name].append(time.process_time() - start_cpu)
                     if [len(o) for o in out] != [settings.output_len] * b:
                         raise RuntimeError(f"{system.name} did not generate {settings.output_len} tokens per prompt")
                     outputs.setdefault(system.name, out)
                     bar.update(1)
-            rows.extend(_rows_for(b, settings.output_len, systems, seconds, outputs))
+            rows.extend(_rows_for(b, settings.output_len, systems, seconds, cpu, outputs))
     finally:
         bar.close()
     return rows
 
 
 def _rows_for(b: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
-              outputs: dict[str, list[list[int]]]) -> list[Row]:
+              cpu: dict[str, list[float]], outputs: dict[str, list[list[int]]]) -> list[Row]:
     ref = systems[0].name
-    rows = [Row(s.name, b, seconds[s.name], b * output_len) for s in systems]
+    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], b * output_len) for s in systems]
     for row in rows:
         row.ratio = rows[0].median_s / row.median_s
+        row.cpu_ratio = rows[0].median_cpu_s / row.median_cpu_s
         row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / b
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     ref = rows[0].system if rows else ""
-    head = f"{'batch':>5}  {'system':<22} {'tok/s':>9} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} {'greedy =':>9}"
+    head = (f"{'batch':>5}  {'system':<20} {'tok/s':>8} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} "
+            f"{'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r.seconds):.3f}..{max(r.seconds):.3f}"
-        lines.append(f"{r.batch_size:>5}  {r.system:<22} {r.tokens_per_s:>9.1f} {r.median_s:>9.3f} {spread:>15} "
-                     f"{r.ratio:>15.2f}x {r.greedy_match:>9.0%}")
+        lines.append(f"{r.batch_size:>5}  {r.system:<20} {r.tokens_per_s:>8.1f} {r.median_s:>9.3f} {spread:>15} "
+                     f"{r.ratio:>15.2f}x {r.median_cpu_s:>8.3f} {r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%}")
     return "\n".join(lines)
 
 
