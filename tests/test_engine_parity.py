@@ -167,9 +167,6 @@ def test_rope_scaling_and_theta_are_not_ignored(tiny_checkpoint, tmp_path, hf_mo
         assert (ours - base).abs().max() > 1e-2, f"{variant.name}: rope settings made no difference"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: attention_bias=True gives Llama/Qwen3 an o_proj bias (transformers "
-                   "puts bias=config.attention_bias on o_proj); augury's o_proj has none, so loading fails with "
-                   "'unexpected tensor model.layers.0.self_attn.o_proj.bias'")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_attention_and_mlp_bias_checkpoints(family, tmp_path, hf_model, make_llm) -> None:
     from transformers import AutoModelForCausalLM

@@ -42,15 +42,16 @@ def build_attn_batch(
         valid_q = torch.zeros_like(valid_q)
     slot_mapping = torch.where(valid_q, slots, 0).reshape(-1)
 
-    ctx_index = None
+    kv_index = None
     if c > 0:
         ci = torch.arange(c, device=device)
         ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
+        kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
 
     uniform = all(x == q_width for x in q_lens) and all(x == c for x in ctx_lens)
     if tree_mask is None and uniform and (c == 0 or q_width == 1):
         # no padding anywhere: plain causal (no context) or full visibility (one query)
-        return AttnBatch(slot_mapping, ctx_index, None, causal=(c == 0))
+        return AttnBatch(slot_mapping, kv_index, None, causal=(c == 0))
     if tree_mask is None:
         new_mask = torch.ones(q_width, q_width, dtype=torch.bool, device=device).tril()
         new_mask = new_mask.expand(b, q_width, q_width)
@@ -66,4 +67,4 @@ def build_attn_batch(
         parts.append(ctx_mask[:, None, :].expand(b, q_width, c))
     parts.append(new_mask)
     mask = torch.cat(parts, dim=-1)[:, None]  # [B, 1, Q, C+Q]
-    return AttnBatch(slot_mapping, ctx_index, mask, causal=False)
+    return AttnBatch(slot_mapping, kv_index, mask, causal=False)

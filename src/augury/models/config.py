@@ -37,6 +37,7 @@ class TargetConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    o_proj_bias: bool
     qk_norm: bool
     mlp_bias: bool
     sliding_window: int | None
@@ -79,6 +80,8 @@ class TargetConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; the others say so in attention_bias.
             attention_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
+            # Llama and Qwen3 put attention_bias on o_proj too; Qwen2 and Mistral never do
+            o_proj_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding,

@@ -99,6 +99,8 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
             out[p + "self_attn.k_proj.bias"] = b[q : q + kv]
             out[p + "self_attn.v_proj.bias"] = b[q + kv :]
         out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+        if attn.o_proj.bias is not None:
+            out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
             out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight

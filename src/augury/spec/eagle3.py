@@ -74,8 +74,8 @@ class Eagle3Proposer:
         """Head forward that caches the new keys/values at the batch's slots."""
         cache = self.cache
         kv_ctx = None
-        if batch.ctx_index is not None:
-            kv_ctx = (cache.k[0][batch.ctx_index], cache.v[0][batch.ctx_index])
+        if batch.kv_index is not None:
+            kv_ctx = _gather(cache, batch.kv_index[:, : batch.kv_index.shape[1] - toks.shape[1]])
         out, k, v = self.head(toks, h, pos, kv_ctx, batch.mask, batch.causal)
         b, q = toks.shape
         cache.k[0].index_copy_(0, batch.slot_mapping, k.reshape(b * q, self.head.nkv, self.head.hd))
@@ -100,8 +100,8 @@ class Eagle3Proposer:
             # context keys of the head's cache (positions < nc), read once for all steps
             ctxb = build_attn_batch([r.block_table for r in reqs], nc.tolist(), [0] * b, 1,
                                     engine.allocator.block_size, dev)
-            c = ctxb.ctx_index.shape[1]
-            ctx_k, ctx_v = self.cache.k[0][ctxb.ctx_index], self.cache.v[0][ctxb.ctx_index]  # [B, C, nkv, hd]
+            c = ctxb.kv_index.shape[1] - 1
+            ctx_k, ctx_v = _gather(self.cache, ctxb.kv_index[:, :c])  # [B, C, nkv, hd]
             ctx_ok = torch.arange(c, device=dev)[None, :] < nc[:, None]  # [B, C]
             fed = k * (steps - 1)
             anc = torch.zeros(b, fed, fed, dtype=torch.bool, device=dev)  # ancestor-or-self among fed nodes
@@ -141,3 +141,12 @@ class Eagle3Proposer:
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
                            torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
         return tree
+
+
+def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, C, nkv, hd] of the head's cache at slots index [B, C]."""
+    b, c = index.shape
+    flat = index.reshape(-1)
+    k = cache.k[0].index_select(0, flat).view(b, c, *cache.k.shape[2:])
+    v = cache.v[0].index_select(0, flat).view(b, c, *cache.v.shape[2:])
+    return k, v
