@@ -24,6 +24,7 @@ class SystemSettings:
     device: str
     max_batch_size: int
     max_len: int  # prompt + output tokens of the longest request
+    draft_model: str | None = None  # EAGLE-3 head for the speculative systems (None: the demo's)
 
 
 class System(Protocol):
@@ -46,21 +47,35 @@ class AugurySystem:
                                       log_stats_interval=0.0)
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
+        self.accept_length = 0.0
+        self.spec_fraction = 0.0
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from augury.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        return [o.token_ids for o in self.llm.generate(prompts, params, use_tqdm=False)]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        steps = sum(o.spec_stats.num_verify_steps for o in outs)
+        accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
+        # tokens per verification step over the run (0 when nothing was speculated)
+        self.accept_length = (steps + accepted) / steps if steps else 0.0
+        # share of the decoded tokens (all but each request's first) that came from verification steps
+        self.spec_fraction = (steps + accepted) / max(1, sum(len(o.token_ids) - 1 for o in outs))
+        return [o.token_ids for o in outs]
 
     def close(self) -> None:
         del self.llm
 
 
 class TransformersSystem:
-    """transformers' model class and `generate`, greedy, EOS disabled, same dtype and device."""
+    """transformers' model class and `generate`, greedy, EOS disabled, same dtype and device.
 
-    def __init__(self, settings: SystemSettings, name: str = "transformers") -> None:
+    Prompts of different lengths are left-padded with an attention mask. `generate_kwargs`
+    select a decoding variant (e.g. prompt_lookup_num_tokens=10 for prompt lookup decoding).
+    """
+
+    def __init__(self, settings: SystemSettings, name: str = "transformers", max_batch: int | None = None,
+                 **generate_kwargs: Any) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -76,25 +91,44 @@ class TransformersSystem:
         gen.eos_token_id = None  # fixed output length, like ignore_eos
         gen.temperature = gen.top_p = gen.top_k = None  # checkpoints may ship sampling defaults
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
+        self.max_batch = max_batch
+        self.generate_kwargs = generate_kwargs
+
+    def supports(self, batch_size: int) -> bool:
+        return self.max_batch is None or batch_size <= self.max_batch
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         torch = self.torch
-        if len({len(p) for p in prompts}) != 1:
-            raise ValueError("TransformersSystem runs equal-length prompts (no padding)")
-        ids = torch.tensor(prompts, device=self.device)  # [B, L]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, L]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=output_len, pad_token_id=self.pad_id)
-        return out[:, ids.shape[1]:].tolist()
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+                                      min_new_tokens=output_len, pad_token_id=self.pad_id, **self.generate_kwargs)
+        return out[:, width:].tolist()
 
     def close(self) -> None:
         del self.model
 
 
+def _speculative(name: str, **kwargs: Any) -> Callable[[SystemSettings], System]:
+    def make(settings: SystemSettings) -> System:
+        draft = {"draft_model": settings.draft_model} if settings.draft_model else {}
+        return AugurySystem(settings, name, **draft, **kwargs)
+
+    return make
+
+
 SystemFactory = Callable[[SystemSettings], System]
 SYSTEMS: dict[str, SystemFactory] = {
     "transformers": TransformersSystem,
-    "augury": AugurySystem,
+    # prompt lookup decoding in transformers runs one sequence at a time
+    "transformers-pld": lambda s: TransformersSystem(s, "transformers-pld", max_batch=1, prompt_lookup_num_tokens=10),
+    "augury": lambda s: AugurySystem(s, "augury", speculative_algorithm="none"),
+    "augury-off": lambda s: AugurySystem(s, "augury-off", speculative_algorithm="none"),
+    "augury-static": _speculative("augury-static", speculative_algorithm="eagle3", speculative_policy="static"),
+    "augury-adaptive": _speculative("augury-adaptive", speculative_algorithm="eagle3", speculative_policy="adaptive"),
+    "augury-ngram": lambda s: AugurySystem(s, "augury-ngram", speculative_algorithm="ngram", speculative_policy="static"),
 }
 
 
@@ -157,3 +191,14 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Held-out chat prompts (the 'eval' split of augury's built-in prompt set, which training
+    never sees), each wrapped in the tokenizer's chat template."""
+    from augury.train.prompts import Prompt, builtin_prompts, split_of
+
+    texts = [t for t in builtin_prompts() if split_of(Prompt(t), 5, 3) == "eval"][:count]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                           add_generation_prompt=True), add_special_tokens=False)
+            for t in texts]

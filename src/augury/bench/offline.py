@@ -38,6 +38,8 @@ class BenchSettings:
     repeats: int = 3
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
+    prompts: str = "random"  # random token ids, or "chat": held-out chat prompts through the chat template
+    draft_model: str | None = None
     out: str = "bench_out/offline"
     seed: int = 0
     threads: int | None = None
@@ -54,6 +56,8 @@ class Row:
     ratio: float = 1.0  # tokens/s over the reference system's (wall-clock medians)
     cpu_ratio: float = 1.0  # the same with CPU-time medians
     greedy_match: float = 1.0  # fraction of sequences equal to the reference's
+    accept_length: float = 0.0  # speculative systems: tokens per verification step
+    spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
 
     @property
     def median_s(self) -> float:
@@ -79,15 +83,21 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -
     return [[rng.randrange(low, vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
 
 
-def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True) -> list[Row]:
+def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True,
+                  chat: list[list[int]] | None = None) -> list[Row]:
     from tqdm.auto import tqdm
 
     runs = len(settings.batch_sizes) * len(systems) * (settings.warmup + settings.repeats)
     bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
     rows: list[Row] = []
     try:
+        all_systems = systems
         for b in settings.batch_sizes:
-            prompts = make_prompts(b, settings.prompt_len, vocab_size, settings.seed)
+            systems = [s for s in all_systems if getattr(s, "supports", lambda n: True)(b)]
+            if chat:
+                prompts = [chat[i % len(chat)] for i in range(b)]
+            else:
+                prompts = make_prompts(b, settings.prompt_len, vocab_size, settings.seed)
             for system in systems:
                 for _ in range(settings.warmup):
                     system.generate(prompts, min(settings.output_len, 8))
@@ -115,7 +125,9 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
 def _rows_for(b: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
               cpu: dict[str, list[float]], outputs: dict[str, list[list[int]]]) -> list[Row]:
     ref = systems[0].name
-    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], b * output_len) for s in systems]
+    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], b * output_len,
+                accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0))
+            for s in systems]
     for row in rows:
         row.ratio = rows[0].median_s / row.median_s
         row.cpu_ratio = rows[0].median_cpu_s / row.median_cpu_s
@@ -126,12 +138,13 @@ def _rows_for(b: int, output_len: int, systems: list[System], seconds: dict[str,
 def format_table(rows: list[Row]) -> str:
     ref = rows[0].system if rows else ""
     head = (f"{'batch':>5}  {'system':<20} {'tok/s':>8} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} "
-            f"{'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9}")
+            f"{'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9} {'acc len':>8} {'spec %':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r.seconds):.3f}..{max(r.seconds):.3f}"
         lines.append(f"{r.batch_size:>5}  {r.system:<20} {r.tokens_per_s:>8.1f} {r.median_s:>9.3f} {spread:>15} "
-                     f"{r.ratio:>15.2f}x {r.median_cpu_s:>8.3f} {r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%}")
+                     f"{r.ratio:>15.2f}x {r.median_cpu_s:>8.3f} {r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} "
+                     f"{r.accept_length:>8.2f} {r.spec_fraction:>7.0%}")
     return "\n".join(lines)
 
 
@@ -147,9 +160,10 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     fig, (ax_tps, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(batches))]
-        ax_tps.bar(xs, [by[name, b].tokens_per_s for b in batches], width, label=name)
-        ax_ratio.plot(range(len(batches)), [by[name, b].ratio for b in batches], marker="o", label=name)
+        have = [j for j, b in enumerate(batches) if (name, b) in by]  # a system may skip batch sizes
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in have]
+        ax_tps.bar(xs, [by[name, batches[j]].tokens_per_s for j in have], width, label=name)
+        ax_ratio.plot(have, [by[name, batches[j]].ratio for j in have], marker="o", label=name)
     for ax in (ax_tps, ax_ratio):
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
         ax.set_xlabel("batch size")
@@ -197,13 +211,24 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         folder = resolve_model(settings.model)
         params = count_parameters(folder)
     cfg = TargetConfig.from_folder(folder)
+    chat = None
+    prompt_len = settings.prompt_len
+    if settings.prompts == "chat":
+        from augury.bench import chat_prompts
+        from augury.engine.builder import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(folder))
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
+        chat = chat_prompts(tokenizer, max(settings.batch_sizes))
+        prompt_len = max(len(p) for p in chat)
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
-                            settings.prompt_len + settings.output_len + 8)
+                            prompt_len + settings.output_len + 8, settings.draft_model)
     systems: list[System] = []
     try:
         for name in settings.systems:
             systems.append(SYSTEMS[name](shared))
-        rows = run_benchmark(settings, systems, cfg.vocab_size, progress)
+        rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat)
     finally:
         for s in systems:
             s.close()
@@ -261,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}")
+    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
+                   help="random token ids, or held-out chat prompts through the model's chat template")
+    p.add_argument("--draft-model", default=None, help="EAGLE-3 head for the augury-static/adaptive systems "
+                   "(default: the demo's shipped head)")
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -284,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
-            threads=args.threads, random_config=args.random_config)
+            threads=args.threads, random_config=args.random_config, prompts=args.prompts,
+            draft_model=args.draft_model)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:
