@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.models.config import TargetConfig
-from augury.models.layers import RMSNorm, Rotary, apply_rope, attend
+from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, attend, prefer_transposed
 
 
 @dataclass
@@ -129,5 +129,13 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepare_for_inference(self) -> None:
+        """Pick the fastest weight layout for this device and dtype (after loading)."""
+        if prefer_transposed(self.layers):
+            # tied output layer: a transposed copy of the embedding (float32 only)
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = TransposedLinear(weight)

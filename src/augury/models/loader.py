@@ -133,4 +133,5 @@ def load_target(
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     copy_strict(target_weight_map(model), tensors, f"target checkpoint {folder}", optional)
     model.eval().requires_grad_(False)
+    model.prepare_for_inference()
     return model, cfg
