@@ -1,6 +1,7 @@
-"""The `augury` command: generate (one prompt, printed), serve (HTTP), bench (offline throughput).
+"""The `augury` command: generate (one prompt, printed), serve (HTTP), bench (offline throughput),
+train-draft (EAGLE-3 head training).
 
-`serve` and `bench` hand their whole argv to their own modules, imported only when used,
+`serve`, `bench` and `train-draft` hand their whole argv to their own modules, imported only when used,
 so `augury generate` never loads the server and `augury serve` never loads the benchmark.
 Every error is one line, `augury: error: ...`, with exit status 2; --debug adds the
 traceback.
@@ -19,6 +20,7 @@ COMMANDS = {
     "generate": "generate text for one prompt and print it",
     "serve": "serve a model over an OpenAI-compatible HTTP API (see `augury serve --help`)",
     "bench": "offline throughput, augury vs transformers (see `augury bench --help`)",
+    "train-draft": "train an EAGLE-3 head for a target (see `augury train-draft --help`)",
 }
 # generate flag -> (EngineConfig field, type, help)
 ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="augury: LLM inference with load-aware EAGLE-3 speculative decoding.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in ("serve", "bench"):
+    for name in ("serve", "bench", "train-draft"):
         sub.add_parser(name, help=COMMANDS[name], add_help=False)
     gen = sub.add_parser("generate", help=COMMANDS["generate"], description=COMMANDS["generate"] + ".")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
@@ -133,6 +135,10 @@ def _delegate(command: str, argv: list[str]) -> int:
         from augury.server import serve_main  # lazy: the server stack loads only for `serve`
 
         return int(serve_main(argv) or 0)
+    if command == "train-draft":
+        from augury.train import train_main  # lazy: the training stack loads only for `train-draft`
+
+        return int(train_main(argv) or 0)
     from augury.bench.offline import main as bench_main  # lazy: matplotlib etc. only for `bench`
 
     return int(bench_main(argv) or 0)
@@ -142,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        if argv and argv[0] in ("serve", "bench"):
+        if argv and argv[0] in ("serve", "bench", "train-draft"):
             return _delegate(argv[0], argv[1:])
         args = build_parser().parse_args(argv)
         if args.command is None:
