@@ -96,14 +96,14 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         model, tcfg = load_target(folder, dtype, device, max_len)
         tokenizer = load_tokenizer(folder)
     with _stage("draft head", notify):
-        from augury.spec.worker import build_speculator
+        from augury.spec.worker import plan_speculation
 
-        speculator = build_speculator(config, model, tcfg, folder, dtype, device, max_len)
+        plan = plan_speculation(config, model, tcfg, dtype, device, max_len)
     with _stage("KV cache", notify):
         bs = config.block_size
         per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)
-        if speculator is not None:
-            per_token += speculator.kv_bytes_per_token()
+        if plan is not None:
+            per_token += plan.kv_bytes_per_token()
         needed = config.max_num_seqs * -(-(max_len + 64) // bs) + 1
         budget = int(config.kv_cache_memory_gb * 2**30) // (per_token * bs)
         num_blocks = config.num_kv_blocks or max(2, min(needed, budget))
@@ -112,8 +112,7 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         if max_len < 16:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) is too small; raise num_kv_blocks")
         kv = KVCache(tcfg.num_layers, num_blocks, bs, tcfg.num_kv_heads, tcfg.head_dim, dtype, device)
-        if speculator is not None:
-            speculator.allocate_cache(num_blocks, bs)
+        speculator = plan.build(num_blocks, bs) if plan is not None else None
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
                         max_len, device, speculator)
     try:

@@ -22,18 +22,13 @@ EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, head: Eagle3Head, tcfg: TargetConfig) -> None:
+    def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int) -> None:
         self.head = head
         self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
-        self.cache: KVCache | None = None
-
-    def kv_bytes_per_token(self) -> int:
-        return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.dtype)
-
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        self.cache = KVCache(1, num_blocks, block_size, self.head.nkv, self.head.hd, self.dtype, self.device)
+        # the head's own one-layer cache, addressed through the target's block tables
+        self.cache = KVCache(1, num_blocks, block_size, head.nkv, head.hd, self.dtype, self.device)
 
     # ------------------------------------------------------------------ catch-up
     def catch_up(self, engine, reqs: list[Request]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
@@ -41,13 +41,6 @@ class Speculator:
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.proposer.aux_layers
-
-    def kv_bytes_per_token(self) -> int:
-        return getattr(self.proposer, "kv_bytes_per_token", lambda: 0)()
-
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        if hasattr(self.proposer, "allocate_cache"):
-            self.proposer.allocate_cache(num_blocks, block_size)
 
     def after_warmup(self, engine) -> None:
         if hasattr(self.policy, "calibrate"):
@@ -109,15 +102,53 @@ def _slot(table: list[int], pos: int, block_size: int) -> int:
     return table[pos // block_size] * block_size + pos % block_size
 
 
-def build_speculator(config: EngineConfig, model, tcfg: TargetConfig, folder: Path,
-                     dtype: torch.dtype, device: torch.device, max_len: int) -> Speculator | None:
+@dataclass(frozen=True)
+class DraftPlan:
+    """What the "draft head" start-up stage produced: everything a Speculator needs except
+    the head's KV cache, whose size the "KV cache" stage decides (see `build`)."""
+
+    algorithm: str
+    shape: TreeShape
+    policy: str
+    disable_batch_threshold: int | None
+    head: object | None  # models.eagle3.Eagle3Head for eagle3
+    target_cfg: TargetConfig
+
+    def kv_bytes_per_token(self) -> int:
+        if self.head is None:
+            return 0
+        from augury.engine.kv_cache import KVCache
+
+        return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.fc.weight.dtype)
+
+    def build(self, num_blocks: int, block_size: int) -> Speculator:
+        if self.algorithm == "ngram":
+            from augury.spec.ngram import NgramProposer
+
+            proposer = NgramProposer()
+        else:
+            from augury.spec.eagle3 import Eagle3Proposer
+
+            proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size)
+        if self.policy == "adaptive":
+            from augury.spec.adaptive import AdaptivePolicy
+
+            policy = AdaptivePolicy(self.shape, self.disable_batch_threshold)
+        else:
+            policy = StaticPolicy(self.shape, self.disable_batch_threshold)
+        return Speculator(proposer, policy, self.shape)
+
+
+def plan_speculation(config: EngineConfig, model, tcfg: TargetConfig, dtype: torch.dtype, device: torch.device,
+                     max_len: int) -> DraftPlan | None:
+    """Resolve the algorithm and tree, and load the head (strictly); None = no speculation."""
     algo = config.speculative_algorithm
     draft = config.draft_model
-    if algo is None:
-        if draft is None and config.model == "demo":
-            from augury.heads import demo_head_dir
+    if draft is None and config.model == "demo" and algo in (None, "eagle3"):
+        from augury.heads import demo_head_dir
 
-            draft = demo_head_dir()
+        draft = demo_head_dir()
+    if algo is None:
         algo = "eagle3" if draft is not None else "none"
     if algo == "none":
         return None
@@ -126,29 +157,15 @@ def build_speculator(config: EngineConfig, model, tcfg: TargetConfig, folder: Pa
                           config.speculative_num_draft_tokens)
     else:
         shape = AUTO_SHAPE[algo]
+    head = None
     if algo == "ngram":
-        from augury.spec.ngram import NgramProposer
-
         if shape.topk != 1:
             raise ValueError("the n-gram proposer drafts chains: speculative_eagle_topk must be 1")
-        proposer = NgramProposer()
     else:
         if draft is None:
-            from augury.heads import demo_head_dir
-
-            draft = demo_head_dir() if config.model == "demo" else None
-            if draft is None:
-                raise ValueError("speculative_algorithm eagle3 needs --speculative-draft-model-path")
+            raise ValueError("speculative_algorithm eagle3 needs --speculative-draft-model-path")
         from augury.models.eagle3 import load_eagle3
-        from augury.spec.eagle3 import Eagle3Proposer
 
         head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2)
-        proposer = Eagle3Proposer(head, tcfg)
-    if config.speculative_policy == "adaptive":
-        from augury.spec.adaptive import AdaptivePolicy
-
-        policy = AdaptivePolicy(shape, config.speculative_disable_batch_threshold)
-    else:
-        policy = StaticPolicy(shape, config.speculative_disable_batch_threshold)
     log.info("speculation: %s, tree %s, policy %s", algo, shape, config.speculative_policy)
-    return Speculator(proposer, policy, shape)
+    return DraftPlan(algo, shape, config.speculative_policy, config.speculative_disable_batch_threshold, head, tcfg)
