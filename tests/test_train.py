@@ -158,6 +158,9 @@ def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path
     target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
     head = load_eagle3(out, tcfg, target.embed_tokens, torch.float32, torch.device("cpu"), 64)
     assert head.lm_head.weight.shape == (48, 32)
+    # fc was trained on aux / scale; the export folds the scale in, so it reads raw features
+    best = torch.load(work / "ckpt" / "best.pt", weights_only=False)
+    torch.testing.assert_close(head.fc.weight, best["head"]["fc.weight"] / best["aux_scale"][None, :])
 
     # an untrained head (same init, no steps) measured the same way
     draft_ids = torch.load(work / "vocab.pt")["draft_ids"]

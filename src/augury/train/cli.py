@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--work-dir", type=Path, help="data, vocabulary, checkpoints and logs (default: <out>-work)")
     a("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     a("--resume", action="store_true", help="continue training from <work-dir>/ckpt/latest.pt")
+    a("--init-from", type=Path, help="start from this checkpoint's head weights (new optimizer and schedule)")
+    a("--ckpt-dir", help="checkpoint folder name under --work-dir (a warm-started run can use its own)")
     a("--prompts-file", type=Path, help='JSON lines of {"text": ...} or {"ids": [...]} instead of the built-in prompts')
     a("--num-prompts", type=int, default=3000, help="training prompts (validation adds 3%%)")
     a("--max-new-tokens", type=int, default=256)
@@ -109,8 +111,9 @@ def stage_generate(args, folder: Path, work: Path, splits: dict) -> None:
         log.info("generated %d tokens in %.0f s (%.1f tok/s)", made, time.perf_counter() - t0,
                  made / max(time.perf_counter() - t0, 1e-9))
     for s in ("train", "valid"):
-        pt, rt = count_tokens(load_split(data, s))
-        log.info("data %s: %d sequences, %d prompt tokens, %d response tokens", s, len(load_split(data, s)), pt, rt)
+        records = load_split(data, s, len(splits[s]), args.shard_size)
+        pt, rt = count_tokens(records)
+        log.info("data %s: %d sequences, %d prompt tokens, %d response tokens", s, len(records), pt, rt)
 
 
 def _generate_worker(job) -> int:
@@ -128,7 +131,7 @@ def _generate_worker(job) -> int:
                               worker, num_workers) for s in ("valid", "train"))
 
 
-def stage_train(args, folder: Path, work: Path) -> None:
+def stage_train(args, folder: Path, work: Path, splits: dict) -> None:
     from augury.models.eagle3 import default_aux_layers
     from augury.models.loader import load_target
     from augury.train.data import load_split, to_samples
@@ -138,9 +141,7 @@ def stage_train(args, folder: Path, work: Path) -> None:
 
     dev = torch.device(args.device)
     target, tcfg = load_target(folder, getattr(torch, args.dtype), dev, args.max_seq_len + 8)
-    records = {s: load_split(work / "data", s) for s in ("train", "valid")}
-    if not records["train"]:
-        raise ValueError(f"no training data in {work / 'data'}; run the generate stage first")
+    records = {s: load_split(work / "data", s, len(splits[s]), args.shard_size) for s in ("train", "valid")}
     vocab_path = work / "vocab.pt"
     if vocab_path.is_file():
         draft_ids = load_vocab(vocab_path)
@@ -159,16 +160,20 @@ def stage_train(args, folder: Path, work: Path) -> None:
                              save_every=args.save_every, seed=args.seed, bf16_autocast=args.precision == "bf16")
     train, valid = (to_samples(records[s], args.max_seq_len) for s in ("train", "valid"))
     t2d = mapping_tensors(draft_ids, tcfg.vocab_size)[1]
-    trainer = Trainer(target, head, draft_ids, t2d, tuple(sorted(aux)), train, valid, settings, work / "ckpt")
-    latest = work / "ckpt" / "latest.pt"
+    ckpt = work / (args.ckpt_dir or "ckpt")
+    trainer = Trainer(target, head, draft_ids, t2d, tuple(sorted(aux)), train, valid, settings, ckpt)
+    latest = ckpt / "latest.pt"
     if args.resume and latest.is_file():
         trainer.load(latest)
     elif latest.is_file():
-        raise ValueError(f"{latest} exists: pass --resume to continue it, or use another --work-dir")
+        raise ValueError(f"{latest} exists: pass --resume to continue it, or use another --work-dir / --ckpt-dir")
+    elif args.init_from:
+        trainer.load_weights(args.init_from)
     log.info("training %d steps (%d sequences, %d epoch(s), %d tokens per batch), aux layers %s",
              trainer.total_steps, len(train), args.epochs, args.batch_tokens, sorted(aux))
     limit = args.time_limit * 60 if args.time_limit else None
-    trainer.run(work / "train_log.jsonl", show_progress=not args.no_progress, time_limit=limit)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    trainer.run(ckpt / "train_log.jsonl", show_progress=not args.no_progress, time_limit=limit)
 
 
 def _aux_layers(args, num_layers: int) -> tuple[int, ...] | None:
@@ -187,7 +192,7 @@ def stage_export(args, folder: Path, work: Path) -> None:
     from augury.train.head import build_head, export_head, head_config
     from augury.train.vocab import load_vocab
 
-    ckpt = work / "ckpt" / f"{args.export_from}.pt"
+    ckpt = work / (args.ckpt_dir or "ckpt") / f"{args.export_from}.pt"
     if not ckpt.is_file():
         raise ValueError(f"no checkpoint {ckpt}; run the train stage first")
     state = torch.load(ckpt, weights_only=False)
@@ -200,7 +205,7 @@ def stage_export(args, folder: Path, work: Path) -> None:
     with torch.no_grad():
         for name, t in state["head"].items():
             params[name].copy_(t)
-    export_head(head, tcfg, draft_ids, args.out, getattr(torch, args.export_dtype))
+    export_head(head, tcfg, draft_ids, args.out, getattr(torch, args.export_dtype), state.get("aux_scale"))
     log.info("exported %s (step %d) to %s", ckpt.name, state["step"], args.out)
 
 
@@ -237,7 +242,7 @@ def train_main(argv: list[str] | None = None) -> int:
         if "generate" in stages:
             stage_generate(args, folder, work, splits)
         if "train" in stages:
-            stage_train(args, folder, work)
+            stage_train(args, folder, work, splits)
         if "export" in stages:
             stage_export(args, folder, work)
         if "eval" in stages:

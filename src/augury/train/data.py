@@ -82,11 +82,16 @@ def generate_split(llm, prompts: list[Prompt], split: str, data_dir: Path, tempe
     return made
 
 
-def load_split(data_dir: Path, split: str) -> list[dict]:
+def load_split(data_dir: Path, split: str, num_prompts: int, shard_size: int) -> list[dict]:
+    """The records of the shards that cover the first num_prompts prompts of `split` (shards
+    past them, made by a run with more prompts, are not part of this data set)."""
     records = []
-    for path in sorted(data_dir.glob(f"{split}-*.jsonl")):
+    for index in range(-(-num_prompts // shard_size)):
+        path = shard_path(data_dir, split, index)
+        if not path.is_file():
+            raise ValueError(f"data shard {path} is missing; run the generate stage first")
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records
+    return records[:num_prompts]
 
 
 def to_samples(records: list[dict], max_seq_len: int) -> list[Sample]:

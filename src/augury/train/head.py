@@ -88,13 +88,15 @@ def head_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainable_parameters(head)}
 
 
-def export_tensors(head: Eagle3Head, draft_ids: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF names -> tensors (fused q|k|v and gate|up split back apart)."""
+def export_tensors(head: Eagle3Head, draft_ids: torch.Tensor, dtype: torch.dtype,
+                   aux_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """HF names -> tensors (fused q|k|v and gate|up split back apart). A head trained on
+    aux / aux_scale [3Ht] gets the scale folded into fc: fc(aux / s) = (W / s) aux."""
     cfg = head.cfg
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     w, gu = head.qkv_proj.weight.detach(), head.mlp.gate_up_proj.weight.detach()
     tensors = {
-        "fc.weight": head.fc.weight.detach(),
+        "fc.weight": head.fc.weight.detach() / (1.0 if aux_scale is None else aux_scale.float()[None, :]),
         "midlayer.input_layernorm.weight": head.input_layernorm.weight.detach(),
         "midlayer.hidden_norm.weight": head.hidden_norm.weight.detach(),
         "midlayer.self_attn.q_proj.weight": w[:q],
@@ -115,9 +117,10 @@ def export_tensors(head: Eagle3Head, draft_ids: torch.Tensor, dtype: torch.dtype
 
 
 def export_head(head: Eagle3Head, tcfg: TargetConfig, draft_ids: torch.Tensor, out: Path,
-                dtype: torch.dtype) -> Path:
+                dtype: torch.dtype, aux_scale: torch.Tensor | None = None) -> Path:
     """Write config.json + model.safetensors into `out` (created; files replaced)."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file(export_tensors(head, draft_ids, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = export_tensors(head, draft_ids, dtype, aux_scale)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config_json(head.cfg, tcfg, dtype), indent=2) + "\n")
     return out

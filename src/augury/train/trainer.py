@@ -80,6 +80,29 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
         self.step, self.epoch, self.batch_index, self.best = 0, 0, 0, 0.0
         self.history: list[dict] = []
+        self.aux_scale = self.measure_aux_scale(valid or train)  # [3Ht] float32
+
+    @torch.no_grad()
+    def measure_aux_scale(self, samples: list[Sample], max_batches: int = 4) -> torch.Tensor:
+        """Per-feature RMS of the target's aux states over a few batches (positions >= 1: position 0
+        is usually an attention sink with huge activations). The head's fc is trained on
+        aux / scale and exported with the scale folded into its weight (fc.weight / scale),
+        so the few massive feature dimensions of LLM hidden states do not drown the others
+        during training, while the exported head reads raw features as usual."""
+        s = self.settings
+        total, count = None, 0
+        for batch in epoch_batches(samples, 0, s.seed, s.batch_tokens)[:max_batches]:
+            ids, lengths, prompt_lens = pad_batch([samples[i] for i in batch])
+            dev = self.head.fc.weight.device
+            feats = target_features(self.target, ids.to(dev), lengths.to(dev), prompt_lens.to(dev), self.aux_layers,
+                                    self.draft_ids, self.t2d)
+            real = torch.arange(ids.shape[1], device=dev)[None, :] < lengths.to(dev)[:, None]
+            real[:, 0] = False
+            sq = feats.aux.float()[real].pow(2).sum(0)  # [3Ht]
+            total = sq if total is None else total + sq
+            count += int(real.sum())
+        rms = (total / max(count, 1)).sqrt()
+        return rms.clamp(min=1e-2 * float(rms.mean()))
 
     # ----------------------------------------------------------------- schedule
     def lr_at(self, step: int) -> float:
@@ -101,6 +124,7 @@ class Trainer:
         dev = self.head.fc.weight.device
         feats = target_features(self.target, ids.to(dev), lengths.to(dev), prompt_lens.to(dev), self.aux_layers,
                                 self.draft_ids, self.t2d)
+        feats.aux = feats.aux.float() / self.aux_scale.to(dev)  # see measure_aux_scale
         with self._autocast():
             gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + self.step)  # replayed on resume
             res = ttt_loss(self.head, ids.to(dev), feats, self.settings.ttt_length, self.settings.decay, fraction, gen)
@@ -109,12 +133,23 @@ class Trainer:
     # --------------------------------------------------------------- checkpoints
     def save(self, name: str = "latest.pt") -> None:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        state = {"head": head_state(self.head), "optim": self.opt.state_dict(), "step": self.step,
+        state = {"head": head_state(self.head), "aux_scale": self.aux_scale, "optim": self.opt.state_dict(),
+                 "step": self.step,
                  "epoch": self.epoch, "batch_index": self.batch_index, "best": self.best,
                  "history": self.history, "settings": asdict(self.settings)}
         tmp = self.ckpt_dir / (name + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.ckpt_dir / name)  # never a half-written checkpoint
+
+    def load_weights(self, path: Path) -> None:
+        """Warm start: the head's tensors from a checkpoint; optimizer, step and data start afresh."""
+        state = torch.load(path, weights_only=False)
+        params = dict(trainable_parameters(self.head))
+        with torch.no_grad():
+            for name, t in state["head"].items():
+                params[name].copy_(t)
+        self.aux_scale = state["aux_scale"]
+        log.info("initialised the head from %s (its step %d)", path, state["step"])
 
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
@@ -124,6 +159,7 @@ class Trainer:
         with torch.no_grad():
             for name, t in state["head"].items():
                 params[name].copy_(t)
+        self.aux_scale = state["aux_scale"]
         self.opt.load_state_dict(state["optim"])
         self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
         self.best, self.history = state["best"], state["history"]
@@ -185,7 +221,7 @@ class Trainer:
                     ema = acc if ema is None else [0.95 * e + 0.05 * a for e, a in zip(ema, acc)]
                     dt = time.perf_counter() - t0
                     bar.update(1)
-                    bar.set_postfix_str(f"loss {float(res.loss.detach()):.3f} acc {'/'.join(f'{a:.2f}' for a in ema[:4])} "
+                    bar.set_postfix_str(f"loss {float(res.loss.detach()):.3f} acc {'/'.join(f'{a:.2f}' for a in ema)} "
                                         f"tau~{estimated_accept_length(ema):.2f} {ntok / dt:.0f} tok/s")
                     with open(log_path, "a") as f:
                         f.write(json.dumps({"event": "step", "step": self.step, "epoch": self.epoch,
