@@ -62,6 +62,9 @@ def test_eagle3_greedy_equals_plain(ckpts, plain, shape, batch):
     assert [o.token_ids for o in outs] == want
     assert all(o.spec_stats.num_verify_steps > 0 for o in outs if len(o.token_ids) > 1)
     assert all(o.spec_stats.num_draft_tokens == o.spec_stats.num_verify_steps * (shape[2] - 1) for o in outs)
+    # every token after the prefill's came out of a verification (static policy, room to spare)
+    assert all(len(o.token_ids) == 1 + o.spec_stats.num_verify_steps + o.spec_stats.num_accepted_draft_tokens
+               for o in outs)
     _assert_no_leak(llm)
 
 

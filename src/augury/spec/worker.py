@@ -86,15 +86,16 @@ class Speculator:
             accepted.append(m)
             if aux is not None:
                 r.pending_aux.append(aux[b, path])  # target features of the committed positions
-            r.spec_stats.num_verify_steps += 1
-            r.spec_stats.num_draft_tokens += n - 1
-            r.spec_stats.num_accepted_draft_tokens += m
-            engine.stats.record_verification(depths[b], m, n - 1)
+            engine.stats.record_verification(depths[b], m, n - 1)  # the verifier's verdict
         if src:
             engine.kv.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        for r, toks in zip(reqs, committed):
+        for r, toks, m in zip(reqs, committed, accepted):
             r.num_computed += len(toks)  # the root and the accepted drafts are now in the cache
-            engine.commit(r, toks)
+            kept = engine.commit(r, toks)  # fewer than len(toks) when a stop condition cut it short
+            # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
+            r.spec_stats.num_verify_steps += 1
+            r.spec_stats.num_draft_tokens += n - 1
+            r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
         return accepted
 
 
