@@ -132,8 +132,9 @@ class AdaptivePolicy:
         head = getattr(speculator.proposer, "head", None)
         if head is not None:
             self.draft_cost = LinearCost.fit(profile_draft(engine, head, self.max_shape.topk))
-        log.info("adaptive speculation calibrated in %.1fs: target %s, draft %s", time.perf_counter() - t0,
-                 vars(self.target_cost), vars(self.draft_cost))
+        log.info("adaptive speculation calibrated in %.1fs: target %s, draft %s; depth by batch size %s",
+                 time.perf_counter() - t0, vars(self.target_cost), vars(self.draft_cost),
+                 {b: self.best_depth(b) for b in _grid(engine)})
 
 
 def _bucket(batch: int) -> int:
@@ -169,13 +170,14 @@ def profile_target(engine, max_nodes: int, ctx: int = 64) -> list[tuple[int, int
             break
         tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(b)]  # free at start-up
         for n in sorted({1, max_nodes}):
+            log.debug("profiling the target: batch %d x %d tokens", b, n)
             batch = build_attn_batch(tables, [ctx] * b, [n] * b, n, bs, engine.device)
             ids = torch.ones(b, n, dtype=torch.long, device=engine.device)
             pos = (ctx + torch.arange(n)).expand(b, n).to(engine.device)
 
             def run():
                 h, _ = engine.model(ids, pos, batch, engine.kv.k, engine.kv.v, ())
-                engine.model.logits(h)
+                engine.model.logits(h[:, -1])  # steps compute logits at ~one node per request
 
             samples.append((b, n, _time(run)))
     return samples
