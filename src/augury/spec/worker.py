@@ -24,6 +24,7 @@ log = logging.getLogger("augury.spec")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
 AUTO_SHAPE = {"eagle3": TreeShape(5, 1, 6), "ngram": TreeShape(4, 1, 5)}
+LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
 class Speculator:
@@ -67,8 +68,12 @@ class Speculator:
         ctx = torch.tensor([r.num_computed for r in reqs])
         positions = ctx[:, None] + tree.depth.cpu()  # [B, N]: the tree sits at seq_len + depth
         hidden, aux = engine.forward(reqs, tree.tokens.tolist(), positions, mask, aux=self.needs_aux)
-        # logits only at the nodes the acceptance walk visits (lm_head is costly on CPUs)
-        logits_at = lambda bs, ns: engine.model.logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
+        # Small batches: every node's logits in one product, reading the output layer once (it is
+        # memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
+        if hidden.shape[0] * n <= LOGITS_AT_ONCE:
+            logits_at = engine.model.logits(hidden)  # [B, N, V]
+        else:
+            logits_at = lambda bs, ns: engine.model.logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
         ps = [r.params for r in reqs]
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                      [r.generator for r in reqs])
