@@ -23,10 +23,11 @@ from augury.spec.policy import TreeShape
 
 log = logging.getLogger("augury.spec")
 
-PRIOR_RATE, PRIOR_WEIGHT = 0.6, 8.0  # optimistic prior per-depth acceptance and its pseudo-count
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 4.0  # prior per-depth acceptance and its pseudo-count
 EMA = 0.05  # weight of each new observation in the running statistics
 MARGIN = 1.03  # speculation must promise this much more goodput than plain decoding
-EXPLORE_EVERY = 64  # every so many spec-eligible steps, try the full shape to refresh statistics
+EXPLORE_EVERY = 64  # while speculating, every so many steps draft the full depth (refreshes deep rates)
+REVISIT_EVERY = 256  # while off, every so many steps draft one token (acceptance may have recovered)
 
 
 class LinearCost:
@@ -105,6 +106,8 @@ class AdaptivePolicy:
         depth = self.best_depth(batch_size)
         if depth and self.steps % EXPLORE_EVERY == 0:
             depth = self.max_shape.num_steps  # refresh statistics of the deeper drafts
+        elif not depth and self.steps % REVISIT_EVERY == 0 and self.goodput(batch_size, 1) > 0.5 * self.goodput(batch_size, 0):
+            depth = 1  # a cheap look at whether drafting pays again
         self.choices[depth] = self.choices.get(depth, 0) + 1
         return self.shape_for(depth) if depth else None
 
