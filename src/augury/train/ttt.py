@@ -19,6 +19,11 @@ vocabulary, where Q is softmax of the target's logits restricted to the draft vo
 and D the head's softmax; averaged over indices whose label position p+1+j is a response
 prediction (p+1+j >= prompt_len-1, x_{p+2+j} exists) with the target's argmax inside the
 draft vocabulary; the steps are summed with weights 0.8^j.
+
+Chains: each index p starts its own draft chain, which past step 0 reads only step-0 keys
+and its own keys. Steps >= 1 may therefore run on a random fraction of the chains: an
+unbiased estimate of those steps' mean loss for a fraction of their cost (step 0 always
+runs on every index, since its keys are everyone's context).
 """
 from __future__ import annotations
 
