@@ -96,8 +96,9 @@ def ckpts(tmp_path_factory):
     return make_target(root / "target"), random_head(root / "head")
 
 
-@pytest.mark.parametrize("policy", ["static", "adaptive"])
-def test_batch_shrinking_across_threshold_is_exact(ckpts, policy):
+@pytest.mark.parametrize("policy, window", [("static", 512), ("adaptive", 512), ("static", 2)])
+def test_batch_shrinking_across_threshold_is_exact(ckpts, policy, window):
+    """window 2: the head catches up on only the last 2 positions it missed (the rest zeroed)."""
     target, head = ckpts
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(8)]
@@ -107,6 +108,7 @@ def test_batch_shrinking_across_threshold_is_exact(ckpts, policy):
     llm = LLM(str(target), dtype="float32", draft_model=str(head), speculative_algorithm="eagle3",
               speculative_policy=policy, speculative_disable_batch_threshold=3, speculative_num_steps=3,
               speculative_eagle_topk=1, speculative_num_draft_tokens=4, log_stats_interval=0)
+    llm.engine.speculator.catch_up_window = window
     if policy == "adaptive":  # make drafting look free so that the threshold is what decides
         llm.engine.speculator.policy.target_cost = LinearCost(1.0, 0.0, 0.0)
         llm.engine.speculator.policy.draft_cost = LinearCost(0.0, 0.0, 0.0)

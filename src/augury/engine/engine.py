@@ -152,7 +152,7 @@ class Engine:
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
         for i, (r, row) in enumerate(zip(reqs, rows)):
             if aux is not None:
-                r.pending_aux.append(aux[i, : len(row)])
+                r.add_pending(aux[i, : len(row)], self.speculator.catch_up_window)
             r.num_computed += len(row)
         if not done:
             return []
@@ -169,7 +169,7 @@ class Engine:
         logits = self.model.logits(hidden[:, 0])  # [B, V]
         for i, (r, tok) in enumerate(zip(reqs, sample(logits, reqs))):
             if aux is not None:
-                r.pending_aux.append(aux[i, :1])
+                r.add_pending(aux[i, :1], self.speculator.catch_up_window)
             r.num_computed += 1
             self.commit(r, [tok])
 

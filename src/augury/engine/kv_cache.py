@@ -8,6 +8,11 @@ from __future__ import annotations
 import torch
 
 
+def slot_of(table: list[int], pos: int, block_size: int) -> int:
+    """Cache slot of logical position `pos` of a request with block table `table`."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:

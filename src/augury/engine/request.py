@@ -26,7 +26,8 @@ class Request:
     is the case num_computed == num_tokens - 1 (one token in), prefill any longer run.
     The draft head has seen (hidden_p, token_{p+1}) pairs for p < draft_len; the target
     features of positions draft_len .. num_computed-1 wait in pending_aux until the next
-    drafting pass consumes them (catch-up after steps without speculation).
+    drafting pass consumes them (catch-up after steps without speculation), bar the oldest
+    draft_skip ones when more than a window piled up.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -44,7 +45,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.spec_stats = SpecStats()
         self.draft_len = 0
-        self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len.. in order
+        self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len + draft_skip..
+        self.num_pending = 0  # rows held in pending_aux
+        self.draft_skip = 0  # oldest pending positions dropped (beyond the window): the head never sees them
         self.num_emitted = 0  # output tokens already reported to the caller
         self.num_emitted_chars = 0  # output text already reported to the caller
         self.text_frozen = False  # a stop string ended the text
@@ -62,10 +65,35 @@ class Request:
         # a step always feeds tokens [num_computed, num_tokens); decoding feeds exactly one
         return self.num_computed < self.num_tokens - 1
 
+    def add_pending(self, feats: torch.Tensor, window: int) -> None:
+        """Keep the target features [n, aux_dim] the draft head has not seen, at most `window`
+        of them: a long stretch without speculation then costs a bounded catch-up."""
+        self.pending_aux.append(feats)
+        self.num_pending += feats.shape[0]
+        while self.num_pending > window:
+            extra = self.num_pending - window
+            first = self.pending_aux[0]
+            if first.shape[0] <= extra:
+                self.pending_aux.pop(0)
+                dropped = first.shape[0]
+            else:
+                self.pending_aux[0] = first[extra:]
+                dropped = extra
+            self.num_pending -= dropped
+            self.draft_skip += dropped
+
+    def take_pending(self) -> tuple[int, torch.Tensor]:
+        """(positions skipped, features [n, aux_dim]) and forget them."""
+        skip, feats = self.draft_skip, torch.cat(self.pending_aux) if len(self.pending_aux) > 1 else self.pending_aux[0]
+        self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
+        return skip, feats
+
     def reset_for_recompute(self) -> None:
         """Preempted: the cache is gone; recompute everything (outputs are kept)."""
         self.block_table = []
         self.num_computed = 0
         self.draft_len = 0
         self.pending_aux = []
+        self.num_pending = 0
+        self.draft_skip = 0
         self.status = Status.WAITING

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from augury.engine.attention import build_attn_batch
-from augury.engine.kv_cache import KVCache
+from augury.engine.kv_cache import KVCache, slot_of
 from augury.engine.request import Request
 from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head, default_aux_layers
@@ -35,12 +35,18 @@ class Eagle3Proposer:
         """Feed every pending (h_p, token_{p+1}) pair; returns the head output at each
         request's last committed position [B, H] (the parent state of depth-1 drafts)."""
         head, cache, bs = self.head, self.cache, engine.allocator.block_size
-        feats = []
+        feats, skipped = [], []
         for r in reqs:
-            f = torch.cat(r.pending_aux) if len(r.pending_aux) > 1 else r.pending_aux[0]
+            skip, f = r.take_pending()
+            if skip:  # positions dropped past the window: the head attends to zeros there
+                skipped.extend(slot_of(r.block_table, p, bs) for p in range(r.draft_len, r.draft_len + skip))
+                r.draft_len += skip
             assert f.shape[0] == r.num_computed - r.draft_len, "draft catch-up out of step with the target"
             feats.append(f)
-            r.pending_aux = []
+        if skipped:
+            idx = torch.tensor(skipped, device=self.device)
+            cache.k[0].index_fill_(0, idx, 0.0)
+            cache.v[0].index_fill_(0, idx, 0.0)
         last = torch.empty(len(reqs), head.cfg.hidden_size, dtype=self.dtype, device=self.device)
         done = [0] * len(reqs)
         while True:

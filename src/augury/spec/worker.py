@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from augury.config import EngineConfig
+from augury.engine.kv_cache import slot_of
 from augury.engine.request import Request
 from augury.models.config import TargetConfig
 from augury.spec.policy import StaticPolicy, TreeShape
@@ -30,10 +31,11 @@ LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes 
 class Speculator:
     """Owns a proposer and a policy; `step` runs one speculative decode step for a batch."""
 
-    def __init__(self, proposer, policy, max_shape: TreeShape) -> None:
+    def __init__(self, proposer, policy, max_shape: TreeShape, catch_up_window: int = 512) -> None:
         self.proposer = proposer
         self.policy = policy
         self.max_shape = max_shape
+        self.catch_up_window = catch_up_window  # most target features kept per request for the head
 
     @property
     def needs_aux(self) -> bool:
@@ -85,12 +87,12 @@ class Speculator:
             base = r.block_table
             for j, node in enumerate(path):
                 if node != j:  # compact the accepted path into consecutive slots
-                    src.append(_slot(base, r.num_computed + node, engine.allocator.block_size))
-                    dst.append(_slot(base, r.num_computed + j, engine.allocator.block_size))
+                    src.append(slot_of(base, r.num_computed + node, engine.allocator.block_size))
+                    dst.append(slot_of(base, r.num_computed + j, engine.allocator.block_size))
             m = len(path) - 1
             accepted.append(m)
             if aux is not None:
-                r.pending_aux.append(aux[b, path])  # target features of the committed positions
+                r.add_pending(aux[b, path], self.catch_up_window)  # features of the committed positions
             engine.stats.record_verification(depths[b], m, n - 1)  # the verifier's verdict
         if src:
             engine.kv.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
@@ -103,9 +105,6 @@ class Speculator:
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
         return accepted
 
-
-def _slot(table: list[int], pos: int, block_size: int) -> int:
-    return table[pos // block_size] * block_size + pos % block_size
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,10 @@ def stage_generate(args, folder: Path, work: Path, splits: dict) -> None:
     check_meta(data, {"target": str(folder), "max_new_tokens": args.max_new_tokens, "temperatures": temps,
                       "shard_size": args.shard_size, "seed": args.seed,
                       "prompts_file": str(args.prompts_file) if args.prompts_file else None})
-    need = any(not (data / f"{s}-{i:05d}.jsonl").is_file() for s in ("train", "valid")
-               for i in range(-(-len(splits[s]) // args.shard_size)))
+    try:
+        need = any(len(load_split(data, s, len(splits[s]), args.shard_size)) < len(splits[s]) for s in ("train", "valid"))
+    except ValueError:  # a shard is missing
+        need = True
     if need:
         t0 = time.perf_counter()
         jobs = [(w, args.gen_workers, str(folder), splits, data, temps, args) for w in range(args.gen_workers)]

@@ -55,9 +55,9 @@ def generate_split(llm, prompts: list[Prompt], split: str, data_dir: Path, tempe
     num_shards = -(-len(prompts) // shard_size)
     for index in range(worker, num_shards, num_workers):
         path = shard_path(data_dir, split, index)
-        if path.is_file():
-            continue
         chunk = prompts[index * shard_size : (index + 1) * shard_size]
+        if path.is_file() and len(path.read_text().splitlines()) == len(chunk):
+            continue  # complete (a last shard made for fewer prompts is made again, whole)
         params = []
         for k in range(index * shard_size, index * shard_size + len(chunk)):
             t = temperatures[k % len(temperatures)]  # alternate greedy and sampled responses
