@@ -25,6 +25,7 @@ class SystemSettings:
     max_batch_size: int
     max_len: int  # prompt + output tokens of the longest request
     draft_model: str | None = None  # EAGLE-3 head for the speculative systems (None: the demo's)
+    temperature: float = 0.0  # 0 = greedy; otherwise seeded sampling at this temperature
 
 
 class System(Protocol):
@@ -47,13 +48,16 @@ class AugurySystem:
                                       log_stats_interval=0.0)
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
+        self.temperature = settings.temperature
         self.accept_length = 0.0
         self.spec_fraction = 0.0
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from augury.sampling_params import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        t = self.temperature
+        params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, seed=i if t else None)
+                  for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         steps = sum(o.spec_stats.num_verify_steps for o in outs)
         accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
@@ -93,6 +97,8 @@ class TransformersSystem:
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
         self.max_batch = max_batch
         self.generate_kwargs = generate_kwargs
+        if settings.temperature > 0:
+            self.generate_kwargs.update(do_sample=True, temperature=settings.temperature)
 
     def supports(self, batch_size: int) -> bool:
         return self.max_batch is None or batch_size <= self.max_batch
@@ -103,8 +109,9 @@ class TransformersSystem:
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, L]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                                      min_new_tokens=output_len, pad_token_id=self.pad_id, **self.generate_kwargs)
+            kwargs = {"do_sample": False, **self.generate_kwargs}
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                                      min_new_tokens=output_len, pad_token_id=self.pad_id, **kwargs)
         return out[:, width:].tolist()
 
     def close(self) -> None:

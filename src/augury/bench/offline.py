@@ -39,6 +39,7 @@ class BenchSettings:
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
     prompts: str = "random"  # random token ids, or "chat": held-out chat prompts through the chat template
+    temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
     draft_model: str | None = None
     out: str = "bench_out/offline"
     seed: int = 0
@@ -223,7 +224,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         chat = chat_prompts(tokenizer, max(settings.batch_sizes))
         prompt_len = max(len(p) for p in chat)
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
-                            prompt_len + settings.output_len + 8, settings.draft_model)
+                            prompt_len + settings.output_len + 8, settings.draft_model, settings.temperature)
     systems: list[System] = []
     try:
         for name in settings.systems:
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}")
     p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
                    help="random token ids, or held-out chat prompts through the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head for the augury-static/adaptive systems "
                    "(default: the demo's shipped head)")
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
-            draft_model=args.draft_model)
+            draft_model=args.draft_model, temperature=args.temperature)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:
