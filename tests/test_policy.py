@@ -120,3 +120,12 @@ def test_batch_shrinking_across_threshold_is_exact(ckpts, policy, window):
     assert llm.engine.stats.steps_plain > 0 and llm.engine.stats.steps_spec > 0
     a = llm.engine.allocator
     assert a.num_free == a.num_usable
+
+
+def test_measured_acceptance_is_the_prior():
+    costs = dict(target_cost=LinearCost(0.040, 0.0, 0.004), draft_cost=LinearCost(0.004, 0, 0))
+    weak = AdaptivePolicy(SHAPE, None, prior=[0.1, 0.01], **costs)
+    strong = AdaptivePolicy(SHAPE, None, prior=[0.9, 0.8, 0.7, 0.6, 0.5], **costs)
+    assert weak.best_depth(1) == 0
+    assert strong.best_depth(1) >= 3
+    assert strong.expected_accepted(5) == pytest.approx(0.9 + 0.8 + 0.7 + 0.6 + 0.5)

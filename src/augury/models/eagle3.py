@@ -45,6 +45,9 @@ class Eagle3Config:
     rope: RopeConfig
     aux_layer_ids: tuple[int, ...] | None
     fc_bias: bool
+    # P(accepted length >= i) measured for this head (augury's own heads record it); a prior
+    # for the adaptive policy
+    acceptance: tuple[float, ...] | None = None
 
     @staticmethod
     def from_folder(folder: Path) -> "Eagle3Config":
@@ -76,7 +79,14 @@ class Eagle3Config:
             rope=_parse_rope(cfg),
             aux_layer_ids=tuple(ids) if ids else None,
             fc_bias=bool(cfg.get("bias", False)),
+            acceptance=_acceptance(cfg.get("augury_acceptance")),
         )
+
+
+def _acceptance(value) -> tuple[float, ...] | None:
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in value):
+        return None  # absent or unreadable: the policy falls back to its own prior
+    return tuple(float(v) for v in value)
 
 
 class Eagle3Head(nn.Module):

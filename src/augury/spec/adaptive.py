@@ -49,11 +49,18 @@ class LinearCost:
 
 class AdaptivePolicy:
     def __init__(self, shape: TreeShape, disable_batch_threshold: int | None,
-                 target_cost: LinearCost | None = None, draft_cost: LinearCost | None = None) -> None:
+                 target_cost: LinearCost | None = None, draft_cost: LinearCost | None = None,
+                 prior: list[float] | None = None) -> None:
+        """prior: P(accepted length >= i), i = 1.., as measured for this head (e.g. at training
+        time); without one every depth starts at PRIOR_RATE."""
         self.max_shape = shape
         self.threshold = disable_batch_threshold
+        rates = [PRIOR_RATE] * shape.num_steps
+        for i, p in enumerate((prior or [])[: shape.num_steps]):
+            prev = prior[i - 1] if i else 1.0
+            rates[i] = min(max(p / prev if prev > 0 else 0.0, 0.02), 0.98)
         # conditional acceptance at depth i given depth i-1 accepted, as (weighted) counts
-        self.acc = [PRIOR_RATE * PRIOR_WEIGHT] * shape.num_steps
+        self.acc = [r * PRIOR_WEIGHT for r in rates]
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.target_cost = target_cost or LinearCost(1.0, 0.0, 0.0)
         self.draft_cost = draft_cost or LinearCost(0.0, 0.0, 0.0)

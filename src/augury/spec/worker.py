@@ -138,7 +138,8 @@ class DraftPlan:
         if self.policy == "adaptive":
             from augury.spec.adaptive import AdaptivePolicy
 
-            policy = AdaptivePolicy(self.shape, self.disable_batch_threshold)
+            prior = list(self.head.cfg.acceptance or []) if self.head is not None else None
+            policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
         return Speculator(proposer, policy, self.shape)
