@@ -9,44 +9,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from augury.config import EngineConfig, injected_fault_stage
+from augury.config import EngineConfig
 from augury.engine.engine import Engine
 from augury.engine.kv_cache import BlockAllocator, KVCache
 from augury.engine.stats import EngineStats
 from augury.models.loader import load_target
 from augury.sampling_params import SamplingParams
+from augury.stages import StartupError, stage
 
 log = logging.getLogger("augury.startup")
+__all__ = ["STAGES", "StartupError", "build_engine", "run_warmup"]
 STAGES = ("configuration", "target", "draft head", "KV cache", "CUDA graphs", "warm-up")
-
-
-class StartupError(RuntimeError):
-    def __init__(self, stage: str, cause: BaseException) -> None:
-        self.stage = stage
-        self.cause = cause
-        super().__init__(f"start-up failed at stage '{stage}': {cause}")
-
-
-@contextmanager
-def _stage(name: str, notify: Callable[[str], None] | None) -> Iterator[None]:
-    """Run one named stage: any failure inside it (an injected one included) is a StartupError."""
-    if notify is not None:
-        notify(name)
-    log.info("start-up stage: %s", name)
-    try:
-        if injected_fault_stage() == name:
-            raise RuntimeError("fault injected by AUGURY_FAULT_INJECT")
-        yield
-    except StartupError:
-        raise
-    except Exception as exc:
-        raise StartupError(name, exc) from exc
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -77,7 +55,7 @@ def eos_ids(folder: Path, cfg_eos: tuple[int, ...], tokenizer) -> set[int]:
 
 
 def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = None, warmup: bool = True) -> Engine:
-    with _stage("configuration", notify):
+    with stage("configuration", notify):
         from augury.demo import resolve_model
 
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,14 +70,14 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         max_len = config.max_model_len or min(limits)
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
-    with _stage("target", notify):
+    with stage("target", notify):
         model, tcfg = load_target(folder, dtype, device, max_len)
         tokenizer = load_tokenizer(folder)
-    with _stage("draft head", notify):
+    with stage("draft head", notify):
         from augury.spec.worker import plan_speculation
 
         plan = plan_speculation(config, model, tcfg, dtype, device, max_len)
-    with _stage("KV cache", notify):
+    with stage("KV cache", notify):
         bs = config.block_size
         per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)
         if plan is not None:
@@ -118,13 +96,13 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
     try:
         # Optional stage: its documented fallback is eager execution, so a failure here warns
         # and start-up goes on with an engine that never depended on graphs.
-        with _stage("CUDA graphs", notify):
+        with stage("CUDA graphs", notify):
             if device.type == "cuda":
                 log.warning("CUDA graph capture is not implemented yet; running eagerly")
     except StartupError as exc:
         log.warning("stage 'CUDA graphs' failed (%s); falling back to eager execution", exc.cause)
     if warmup:
-        with _stage("warm-up", notify):
+        with stage("warm-up", notify):
             run_warmup(engine)
     return engine
 

@@ -17,22 +17,13 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from augury.config import injected_fault_stage
+from augury.stages import StartupError, stage
 from augury.server.args import ServeSettings, build_parser, settings_from_args
 
 log = logging.getLogger("augury.server")
 HTTP_STAGE = "HTTP"
-
-
-class StageFailed(Exception):
-    def __init__(self, stage: str, cause: BaseException) -> None:
-        super().__init__(f"start-up failed at stage '{stage}': {cause}")
-        self.stage = stage
-        self.cause = cause
 
 
 class _Stages:
@@ -52,19 +43,8 @@ class _Stages:
     def finish(self) -> None:
         self.entered("serving")
 
-    @contextmanager
-    def stage(self, name: str, announce: bool = True) -> Iterator[None]:
-        self.entered(name)
-        if announce:
-            log.info("start-up stage: %s", name)
-        try:
-            if injected_fault_stage() == name:
-                raise RuntimeError("fault injected by AUGURY_FAULT_INJECT")
-            yield
-        except StageFailed:
-            raise
-        except Exception as exc:
-            raise StageFailed(name, exc) from exc
+    def stage(self, name: str, announce: bool = True):
+        return stage(name, self.entered, announce)
 
 
 def one_line(exc: BaseException) -> str:
@@ -138,20 +118,20 @@ def _start_and_serve(args) -> int:
             settings = settings_from_args(args)
             _check_paths(settings)
             bind_socket(settings.host, settings.port).close()  # the port is free now: fail before loading
-        from augury.engine.builder import StartupError, build_engine
+        from augury.engine.builder import build_engine
 
         try:
             engine = build_engine(settings.engine, notify=stages.entered)
-        except StartupError as e:
-            raise StageFailed(e.stage, e.cause) from e
-        except Exception as e:  # outside any builder stage: the Engine's own construction
-            raise StageFailed(stages.current, e) from e
+        except StartupError:
+            raise
+        except Exception as e:  # outside any builder stage (there is none today; belt and braces)
+            raise StartupError(stages.current, e) from e
         with stages.stage(HTTP_STAGE):
             from augury.server.httpserver import build_server
 
             server = build_server(settings, engine, stages.seconds)
             sock = bind_socket(settings.host, settings.port)
-    except StageFailed as e:
+    except StartupError as e:
         return _report(e.stage, e.cause, debug)
     except KeyboardInterrupt:
         print(f"augury: error: start-up interrupted at stage '{stages.current}'", file=sys.stderr)
