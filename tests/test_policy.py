@@ -52,10 +52,13 @@ def test_measured_step_times_correct_the_cost_model():
     policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.001, 0, 0))
     before = policy.best_depth(8)
     assert before >= 3
-    for _ in range(100):  # a speculative step really takes 10x what the model predicted
-        policy.observe(8, SHAPE, 10 * policy.step_time(8, SHAPE.num_steps) / policy.correction.get((8, 5), 1.0), [1])
-    assert policy.step_time(8, 5) > 4 * policy.target_cost(8, 6)
+    for _ in range(10):  # a speculative step really takes 10x what the model predicted
+        policy.observe(8, SHAPE, 10 * policy.model_time(8, SHAPE.num_steps), [1])
+        policy.observe(8, None, policy.model_time(8, 0), [])  # plain steps are as modelled
+    assert policy.step_time(8, 5) == pytest.approx(10 * policy.model_time(8, 5), rel=1e-6)
     assert policy.best_depth(8) < before
+    times = policy.step_times(8)
+    assert times == sorted(times)  # deeper drafting never predicted cheaper
 
 
 @pytest.mark.parametrize("policy_cls", [StaticPolicy, AdaptivePolicy])

@@ -6,9 +6,10 @@ with drafting depth s = 1..S (B * (1 + E[accepted | s]) tokens per draft + verif
     goodput(s) = B * (1 + E_s) / (T_draft(B, s) + T_verify(B, N_s)),   goodput(0) = B / T_target(B, 1)
 
 E_s = sum_{i<=s} P(accepted length >= i), from running per-depth acceptance statistics
-(optimistic priors, so unexplored depths get tried). Step times come from a cost model
-T(B, n) = a + b*B + c*B*n fitted to target forwards profiled at start-up, a draft model
-fitted the same way, and a per-choice correction learned online from measured steps.
+(a head's measured acceptance as prior, when its config records one). Step times come
+from a cost model T(B, n) = a + b*B + c*B*n fitted to target forwards profiled at start-up
+and a draft model fitted the same way, scaled online by how far off they have been, and
+replaced by the measured average once a (batch size, depth) has been seen a few times.
 The disable threshold, when set, caps it: above it the answer is always 0.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.5, 4.0  # prior per-depth acceptance and its pseudo
 EMA = 0.05  # weight of each new observation in the running statistics
 MARGIN = 1.03  # speculation must promise this much more goodput than plain decoding
 EXPLORE_EVERY = 64  # while speculating, every so many steps draft the full depth (refreshes deep rates)
+TIME_EMA = 0.2  # weight of a new step-time measurement
+MIN_SEEN = 3  # measured steps of one (batch bucket, depth) before their average replaces the model
 REVISIT_EVERY = 256  # while off, every so many steps draft one token (acceptance may have recovered)
 
 
@@ -64,7 +67,8 @@ class AdaptivePolicy:
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.target_cost = target_cost or LinearCost(1.0, 0.0, 0.0)
         self.draft_cost = draft_cost or LinearCost(0.0, 0.0, 0.0)
-        self.correction: dict[tuple[int, int], float] = {}  # (batch bucket, depth) -> measured/predicted
+        self.measured: dict[tuple[int, int], tuple[float, int]] = {}  # (batch bucket, depth) -> (mean s, steps)
+        self.scale: dict[int, float] = {}  # batch bucket -> measured / modelled step time
         self.steps = 0
         self.choices: dict[int, int] = {}
 
@@ -83,24 +87,39 @@ class AdaptivePolicy:
             e += p
         return e
 
-    def step_time(self, batch: int, depth: int) -> float:
+    def model_time(self, batch: int, depth: int) -> float:
+        """Seconds per step from the fitted cost models alone."""
         if depth == 0:
-            t = self.target_cost(batch, 1)
-        else:
-            shape = self.shape_for(depth)
-            catch_up = self.draft_cost(batch, 1 + round(self.expected_accepted(depth)))
-            t = self.target_cost(batch, shape.num_draft_tokens) + catch_up
-            t += (depth - 1) * self.draft_cost(batch, shape.topk)
-        return t * self.correction.get((_bucket(batch), depth), 1.0)
+            return self.target_cost(batch, 1)
+        shape = self.shape_for(depth)
+        catch_up = self.draft_cost(batch, 1 + round(self.expected_accepted(depth)))
+        return self.target_cost(batch, shape.num_draft_tokens) + catch_up + (depth - 1) * self.draft_cost(batch, shape.topk)
 
-    def goodput(self, batch: int, depth: int) -> float:
-        return batch * (1.0 + self.expected_accepted(depth)) / max(self.step_time(batch, depth), 1e-9)
+    def step_times(self, batch: int) -> list[float]:
+        """Predicted seconds per step at depth 0..S for this batch size: the measured average
+        where enough steps were seen, else the model scaled by how far off it has been here;
+        never less than a shallower depth's (more drafting cannot be cheaper)."""
+        bucket = _bucket(batch)
+        scale = self.scale.get(bucket, 1.0)
+        times: list[float] = []
+        for d in range(self.max_shape.num_steps + 1):
+            seen = self.measured.get((bucket, d))
+            t = seen[0] if seen and seen[1] >= MIN_SEEN else self.model_time(batch, d) * scale
+            times.append(max(t, times[-1]) if times else t)
+        return times
+
+    def step_time(self, batch: int, depth: int) -> float:
+        return self.step_times(batch)[depth]
+
+    def goodput(self, batch: int, depth: int, times: list[float] | None = None) -> float:
+        t = (times or self.step_times(batch))[depth]
+        return batch * (1.0 + self.expected_accepted(depth)) / max(t, 1e-9)
 
     def best_depth(self, batch: int) -> int:
-        plain = self.goodput(batch, 0)
-        best, best_g = 0, plain * MARGIN
+        times = self.step_times(batch)
+        best, best_g = 0, self.goodput(batch, 0, times) * MARGIN
         for d in range(1, self.max_shape.num_steps + 1):
-            g = self.goodput(batch, d)
+            g = self.goodput(batch, d, times)
             if g > best_g:
                 best, best_g = d, g
         return best
@@ -126,10 +145,11 @@ class AdaptivePolicy:
                 for i in range(min(a + 1, shape.num_steps)):
                     self.off[i] = (1 - EMA) * self.off[i] + EMA * PRIOR_WEIGHT
                     self.acc[i] = (1 - EMA) * self.acc[i] + EMA * PRIOR_WEIGHT * (1.0 if i < a else 0.0)
-        key = (_bucket(batch_size), depth)
-        predicted = self.step_time(batch_size, depth) / self.correction.get(key, 1.0)
-        ratio = min(max(seconds / max(predicted, 1e-9), 0.2), 5.0)
-        self.correction[key] = (1 - 4 * EMA) * self.correction.get(key, 1.0) + 4 * EMA * ratio
+        bucket = _bucket(batch_size)
+        mean, n = self.measured.get((bucket, depth), (seconds, 0))
+        self.measured[(bucket, depth)] = ((1 - TIME_EMA) * mean + TIME_EMA * seconds if n else seconds, n + 1)
+        ratio = min(max(seconds / max(self.model_time(batch_size, depth), 1e-9), 0.2), 5.0)
+        self.scale[bucket] = (1 - TIME_EMA) * self.scale.get(bucket, ratio) + TIME_EMA * ratio
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         self.observe(batch_size, None, seconds, [])
