@@ -99,7 +99,7 @@ def ckpts(tmp_path_factory):
     return make_target(root / "target"), random_head(root / "head")
 
 
-@pytest.mark.parametrize("policy, window", [("static", 512), ("adaptive", 512), ("static", 2)])
+@pytest.mark.parametrize("policy, window", [("static", 128), ("adaptive", 128), ("static", 2)])
 def test_batch_shrinking_across_threshold_is_exact(ckpts, policy, window):
     """window 2: the head catches up on only the last 2 positions it missed (the rest zeroed)."""
     target, head = ckpts

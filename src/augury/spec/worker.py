@@ -31,7 +31,7 @@ LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes 
 class Speculator:
     """Owns a proposer and a policy; `step` runs one speculative decode step for a batch."""
 
-    def __init__(self, proposer, policy, max_shape: TreeShape, catch_up_window: int = 512) -> None:
+    def __init__(self, proposer, policy, max_shape: TreeShape, catch_up_window: int = 128) -> None:
         self.proposer = proposer
         self.policy = policy
         self.max_shape = max_shape
