@@ -173,6 +173,7 @@ def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path
     trained = after["batch8"]
     assert after["batch1"]["requests"] == 2 and len(trained["accept_rate_per_position"]) == 4
     assert trained["accept_length"] >= 2.5, trained
+    assert json.loads((out / "config.json").read_text())["augury_acceptance"] == trained["accept_rate_per_position"]
     assert trained["accept_length"] > before["accept_length"] + 1.0, (before, trained)
 
     # features: the label mask never scores prompt positions or the last token

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-prompts", type=int, default=32, help="held-out prompts for the engine evaluation")
     a("--eval-batch1", type=int, default=8, help="of those, how many also run one at a time")
     a("--eval-max-tokens", type=int, default=256)
-    a("--spec-steps", type=int, default=6, help="draft chain length in the evaluation")
+    a("--spec-steps", type=int, default=6,
+      help="draft chain length in the evaluation (which also records the measured per-depth acceptance "
+           "in <out>/config.json as augury_acceptance, the adaptive policy's prior)")
     a("--threads", type=int, help="torch CPU threads")
     a("--device", default="cpu")
     a("--seed", type=int, default=0)
@@ -212,7 +214,7 @@ def stage_export(args, folder: Path, work: Path) -> None:
 
 
 def stage_eval(args, folder: Path, work: Path, splits: dict) -> dict:
-    from augury.train.evaluate import evaluate_head, format_eval
+    from augury.train.evaluate import evaluate_head, format_eval, record_acceptance
 
     prompts = splits["eval"][: args.eval_prompts]
     result = evaluate_head(folder, args.out, prompts, args.spec_steps, args.eval_max_tokens, args.dtype,
@@ -222,6 +224,7 @@ def stage_eval(args, folder: Path, work: Path, splits: dict) -> dict:
     log.info("evaluation on held-out prompts:\n%s", text)
     (work / "eval.json").write_text(json.dumps({"spec_steps": args.spec_steps, "max_tokens": args.eval_max_tokens,
                                                 "dtype": args.dtype, **result}, indent=2) + "\n")
+    record_acceptance(args.out, result[f"batch{len(prompts)}"]["accept_rate_per_position"])
     return result
 
 

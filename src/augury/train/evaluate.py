@@ -7,6 +7,7 @@ engine's per-position acceptance counters.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -70,3 +71,12 @@ def format_eval(result: dict, num_steps: int) -> str:
                      f"{r['accept_length']:.2f} (chain of {num_steps}), per-position acceptance [{rates}], "
                      f"{r['tokens_per_second']:.1f} tok/s")
     return "\n".join(lines)
+
+
+def record_acceptance(head: str | Path, rates: list[float]) -> None:
+    """Write the measured P(accepted length >= i) into the head's config.json as
+    `augury_acceptance`, which augury's adaptive policy reads as its prior (others ignore it)."""
+    path = Path(head) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["augury_acceptance"] = [round(float(r), 4) for r in rates]
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
