@@ -26,7 +26,7 @@ log = logging.getLogger("augury.spec")
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 4.0  # prior per-depth acceptance and its pseudo-count
 EMA = 0.05  # weight of each new observation in the running statistics
-MARGIN = 1.03  # speculation must promise this much more goodput than plain decoding
+MARGIN = 1.08  # speculation must promise this much more goodput than plain decoding (noise guard)
 EXPLORE_EVERY = 64  # while speculating, every so many steps draft the full depth (refreshes deep rates)
 TIME_EMA = 0.2  # weight of a new step-time measurement
 MIN_SEEN = 3  # measured steps of one (batch bucket, depth) before their average replaces the model
