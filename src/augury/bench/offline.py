@@ -223,8 +223,13 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
             raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
         chat = chat_prompts(tokenizer, max(settings.batch_sizes))
         prompt_len = max(len(p) for p in chat)
+    draft = settings.draft_model
+    if draft is None and settings.model == "demo":
+        from augury.heads import demo_head_dir
+
+        draft = str(demo_head_dir()) if demo_head_dir() else None  # systems get the folder, not "demo"
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
-                            prompt_len + settings.output_len + 8, settings.draft_model, settings.temperature)
+                            prompt_len + settings.output_len + 8, draft, settings.temperature)
     systems: list[System] = []
     try:
         for name in settings.systems:
