@@ -109,41 +109,35 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(state, model_id)
         return card()
 
-    @app.post("/v1/completions", dependencies=guarded, response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        t0 = time.monotonic()
-        job = await completion_job(state, body)
+    async def answer(body, request: Request, job, t0: float, events, obj: str, choice) -> Response:
+        """The part completions and chat share: admit, then stream or collect one JSON body."""
         group = admit(state, job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return GroupStreamingResponse(completion_events(state, job, group, t0, include), group,
+            return GroupStreamingResponse(events(state, job, group, t0, include), group,
                                           state.metrics.observe_aborted)
         outs = await collect(state, group, request, t0)
         if outs is None:
             return Response(status_code=499)
-        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+        choices = [{"index": i, **choice(o), "logprobs": None, "finish_reason": o.finish_reason}
                    for i, o in enumerate(outs)]
-        return JSONResponse({"id": job.request_id, "object": "text_completion", "created": int(time.time()),
+        return JSONResponse({"id": job.request_id, "object": obj, "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
                              "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs))})
+
+    @app.post("/v1/completions", dependencies=guarded, response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        t0 = time.monotonic()
+        job = await completion_job(state, body)
+        return await answer(body, request, job, t0, completion_events, "text_completion",
+                            lambda o: {"text": o.text})
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=ChatCompletionResponse,
               responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
         job = await chat_job(state, body)
-        group = admit(state, job)
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return GroupStreamingResponse(chat_events(state, job, group, t0, include), group,
-                                          state.metrics.observe_aborted)
-        outs = await collect(state, group, request, t0)
-        if outs is None:
-            return Response(status_code=499)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
-                    "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
-        return JSONResponse({"id": job.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": state.model_name, "choices": choices,
-                             "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs))})
+        return await answer(body, request, job, t0, chat_events, "chat.completion",
+                            lambda o: {"message": {"role": "assistant", "content": o.text}})
 
     return app

@@ -31,10 +31,9 @@ LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes 
 class Speculator:
     """Owns a proposer and a policy; `step` runs one speculative decode step for a batch."""
 
-    def __init__(self, proposer, policy, max_shape: TreeShape, catch_up_window: int = 128) -> None:
+    def __init__(self, proposer, policy, catch_up_window: int = 128) -> None:
         self.proposer = proposer
         self.policy = policy
-        self.max_shape = max_shape
         self.catch_up_window = catch_up_window  # most target features kept per request for the head
 
     @property
@@ -142,7 +141,7 @@ class DraftPlan:
             policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
-        return Speculator(proposer, policy, self.shape)
+        return Speculator(proposer, policy)
 
 
 def plan_speculation(config: EngineConfig, model, tcfg: TargetConfig, dtype: torch.dtype, device: torch.device,
