@@ -137,8 +137,32 @@ def test_bench_on_a_checkpoint_folder(tiny_checkpoint, tmp_path) -> None:
     assert all(r["greedy_match"] == 1.0 for r in report["results"])
 
 
+def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
+    """The speculative systems, a tree shape given in the system name, against plain decoding:
+    lossless (greedy output equal to the reference's) and reporting tokens per verification."""
+    from spec_helpers import bigram_head, make_target
+
+    target = make_target(tmp_path / "target", bigram=True)
+    head = bigram_head(tmp_path / "head", target)
+    report = _bench(tmp_path, "--model", str(target), "--draft-model", str(head), "--output-len", "25",
+                    "--systems", "augury-off,augury-static:4-1-5,augury-adaptive:3-2-5,augury-ngram")
+    rows = {(r["batch_size"], r["system"]): r for r in report["results"]}
+    assert set(rows) == {(b, s) for b in (1, 3) for s in
+                         ("augury-off", "augury-static:4-1-5", "augury-adaptive:3-2-5", "augury-ngram")}
+    for (b, system), r in rows.items():
+        assert r["greedy_match"] == 1.0, system
+        assert r["output_tokens"] == b * 25
+        if system == "augury-off":
+            assert r["accept_length"] == 0.0
+    # the faithful head predicts the bigram target, so its drafts are taken
+    assert rows[(1, "augury-static:4-1-5")]["accept_length"] > 3.5
+
+
 @pytest.mark.parametrize("argv,words", [
     (["bench", "--batch-sizes", "0,2"], ["positive integers"]),
+    (["bench", "--systems", "augury,augury-static:5-4", "--out", "{tmp}"], ["STEPS-TOPK-TOKENS", "augury-static:5-4"]),
+    (["bench", "--systems", "augury,augury-ngram:5-1-6", "--out", "{tmp}"], ["unknown system", "augury-ngram:5-1-6"]),
+    (["bench", "--systems", "augury,augury-static:5-1-9", "--out", "{tmp}"], ["speculative_num_draft_tokens"]),
     (["bench", "--systems", "transformers,vllm", "--out", "{tmp}"], ["unknown system", "vllm"]),
     (["bench", "--output-len", "0"], ["--output-len"]),
 ])

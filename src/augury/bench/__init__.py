@@ -139,6 +139,28 @@ SYSTEMS: dict[str, SystemFactory] = {
 }
 
 
+# speculative systems take a tree shape after a colon: augury-static:5-4-12 drafts num_steps=5,
+# topk=4, num_draft_tokens=12 (for the adaptive policy, the largest tree it may choose from)
+SHAPED = ("augury-static", "augury-adaptive")
+
+
+def system_factory(name: str) -> SystemFactory:
+    """The factory for a system name: a registered one, or a speculative one with a tree shape."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    base, sep, shape = name.partition(":")
+    if not sep or base not in SHAPED:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)} "
+                         f"(and {', '.join(s + ':STEPS-TOPK-TOKENS' for s in SHAPED)})")
+    try:
+        steps, topk, tokens = (int(x) for x in shape.split("-"))
+    except ValueError:
+        raise ValueError(f"system {name!r}: the tree shape after ':' must be STEPS-TOPK-TOKENS, e.g. {base}:5-4-12") from None
+    policy = base.rpartition("-")[2]
+    return _speculative(name, speculative_algorithm="eagle3", speculative_policy=policy, speculative_num_steps=steps,
+                        speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+
+
 def register_system(name: str, factory: SystemFactory) -> None:
     """Add a named system (e.g. augury with speculation and a given policy) to the benchmarks."""
     if name in SYSTEMS:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from augury.bench import SYSTEMS, System, SystemSettings, count_parameters, random_llama
+from augury.bench import SHAPED, SYSTEMS, System, SystemSettings, count_parameters, random_llama, system_factory
 
 PROG = "augury bench"
 
@@ -196,9 +196,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     from augury.demo import resolve_model
     from augury.models.config import TargetConfig
 
-    unknown = [s for s in settings.systems if s not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    factories = [system_factory(name) for name in settings.systems]  # bad names fail before any loading
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep the output to our own bar and table
@@ -232,8 +230,8 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
                             prompt_len + settings.output_len + 8, draft, settings.temperature)
     systems: list[System] = []
     try:
-        for name in settings.systems:
-            systems.append(SYSTEMS[name](shared))
+        for factory in factories:
+            systems.append(factory(shared))
         rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat)
     finally:
         for s in systems:
@@ -291,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
     p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
+                   f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens)")
     p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
                    help="random token ids, or held-out chat prompts through the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")

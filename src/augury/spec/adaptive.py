@@ -158,10 +158,12 @@ class AdaptivePolicy:
     def calibrate(self, engine, speculator) -> None:
         """Profile target and draft forwards on this device and fit the cost models."""
         t0 = time.perf_counter()
-        self.target_cost = LinearCost.fit(profile_target(engine, self.max_shape.num_draft_tokens))
+        nodes = self.max_shape.num_draft_tokens
+        ctx = max(0, min(64, engine.max_model_len - nodes))  # positions stay inside the model's context
+        self.target_cost = LinearCost.fit(profile_target(engine, nodes, ctx))
         head = getattr(speculator.proposer, "head", None)
         if head is not None:
-            self.draft_cost = LinearCost.fit(profile_draft(engine, head, self.max_shape.topk))
+            self.draft_cost = LinearCost.fit(profile_draft(engine, head, self.max_shape.topk, ctx))
         log.info("adaptive speculation calibrated in %.1fs: target %s, draft %s; depth by batch size %s",
                  time.perf_counter() - t0, vars(self.target_cost), vars(self.draft_cost),
                  {b: self.best_depth(b) for b in _grid(engine)})
