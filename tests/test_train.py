@@ -139,6 +139,37 @@ def test_resume_continues_exactly(bigram_target: Path, tmp_path: Path) -> None:
         assert torch.equal(p, q), name
 
 
+def test_cached_target_features_give_the_same_loss(bigram_target: Path, tmp_path: Path) -> None:
+    """Epochs after the first read the target's states from memory: the loss of a batch must be
+    the one a fresh target forward gives, even when the rows were cached from other batches
+    (other padding); a zero budget caches nothing."""
+    target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
+    rng = random.Random(2)
+    samples = [Sample(tuple([1] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 30))]), 3)
+               for _ in range(12)]
+    draft_ids = torch.arange(0, VOCAB, 2)
+    t2d = mapping_tensors(draft_ids, VOCAB)[1]
+    head = build_head(target, head_config(tcfg, draft_ids.numel(), (0, 1, 2)), draft_ids, 64, seed=0)
+
+    def trainer(gb: float) -> Trainer:
+        settings = TrainSettings(ttt_length=3, batch_tokens=200, feature_cache_gb=gb)
+        return Trainer(target, head, draft_ids, t2d, (0, 1, 2), samples, samples[:3], settings, tmp_path / str(gb))
+
+    cached, fresh = trainer(1.0), trainer(0.0)
+    for i in range(0, 12, 3):  # fill the cache in batches of three
+        cached._loss("train", [i, i + 1, i + 2])
+    assert len(cached.cache) == 12 and cached.cache_bytes > 0
+    batch = [11, 0, 5, 7]  # rows cached from different batches
+    a, _ = cached._loss("train", batch)
+    b, _ = fresh._loss("train", batch)
+    assert not fresh.cache
+    assert a.counted == b.counted and a.correct == b.correct
+    assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-5)
+    tiny = trainer(1e-6)  # a budget smaller than one row: computed, never kept
+    tiny._loss("train", batch)
+    assert not tiny.cache
+
+
 def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "head"
     args = ["--target", str(bigram_target), "--out", str(out), "--prompts-file", str(_prompt_file(tmp_path, 200)),

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-ratio", type=float, default=0.03)
     a("--save-every", type=int, default=100, help="checkpoint + held-out check every N steps")
     a("--time-limit", type=float, help="stop training after this many minutes (checkpointed; --resume continues)")
+    a("--feature-cache-gb", type=float, default=4.0,
+      help="memory for the target's features kept between epochs (later epochs skip the target forward; 0 = off)")
     a("--precision", default="bf16", choices=("bf16", "fp32"), help="head compute (bf16 = autocast, fp32 weights)")
     a("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     a("--export-from", default="best", choices=("best", "latest"))
@@ -158,10 +160,13 @@ def stage_train(args, folder: Path, work: Path, splits: dict) -> None:
     aux = _aux_layers(args, tcfg.num_layers) or default_aux_layers(tcfg.num_layers)
     cfg = head_config(tcfg, draft_ids.numel(), aux)
     head = build_head(target, cfg, draft_ids, args.max_seq_len + args.ttt_length + 2, args.seed).to(dev)
+    if not args.feature_cache_gb >= 0:
+        raise ValueError(f"--feature-cache-gb must be >= 0, got {args.feature_cache_gb}")
     settings = TrainSettings(lr=args.lr, warmup_ratio=args.warmup_ratio, ttt_length=args.ttt_length,
                              ttt_fraction=args.ttt_fraction,
                              batch_tokens=args.batch_tokens, epochs=args.epochs, max_steps=args.max_steps,
-                             save_every=args.save_every, seed=args.seed, bf16_autocast=args.precision == "bf16")
+                             save_every=args.save_every, seed=args.seed, bf16_autocast=args.precision == "bf16",
+                             feature_cache_gb=args.feature_cache_gb)
     train, valid = (to_samples(records[s], args.max_seq_len) for s in ("train", "valid"))
     t2d = mapping_tensors(draft_ids, tcfg.vocab_size)[1]
     ckpt = work / (args.ckpt_dir or "ckpt")

@@ -1,5 +1,10 @@
 """The training loop: frozen target features per batch, TTT loss, AdamW, checkpoints, resume.
 
+The target's part of a batch (final hidden states, aux states, argmax-in-draft-vocab flags;
+about 8 bytes per target hidden unit per token) is kept in memory up to feature_cache_gb, so
+epochs after the first skip the target forward, which costs about as much as the head's
+training step itself on a CPU.
+
 A checkpoint (<ckpt>/latest.pt) holds the head's trainable tensors, the optimizer, the step
 and the data position (epoch, next batch); batches are a pure function of (seed, epoch),
 so a resumed run continues exactly where the last checkpoint left it. <ckpt>/best.pt keeps
@@ -23,7 +28,7 @@ from augury.models.eagle3 import Eagle3Head
 from augury.models.llama import TargetModel
 from augury.train.data import Sample, epoch_batches
 from augury.train.head import head_state, trainable_parameters
-from augury.train.ttt import target_features, ttt_loss
+from augury.train.ttt import features_from_states, target_features, target_states, ttt_loss
 
 log = logging.getLogger("augury.train")
 
@@ -44,6 +49,7 @@ class TrainSettings:
     save_every: int = 100
     seed: int = 0
     bf16_autocast: bool = False
+    feature_cache_gb: float = 4.0  # target states kept between epochs (0 = recompute every batch)
 
 
 def estimated_accept_length(acc: list[float]) -> float:
@@ -80,6 +86,9 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
         self.step, self.epoch, self.batch_index, self.best = 0, 0, 0, 0.0
         self.history: list[dict] = []
+        # (split, sample index) -> (hidden [n, Ht], aux [n, 3Ht], in_draft [n]) for the sample's n tokens
+        self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cache_bytes = 0
         self.aux_scale = self.measure_aux_scale(valid or train)  # [3Ht] float32
 
     @torch.no_grad()
@@ -119,15 +128,44 @@ class Trainer:
             return torch.autocast("cpu" if self.head.fc.weight.device.type == "cpu" else "cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss(self, samples: list[Sample], fraction: float = 1.0):
+    def _states(self, split: str, indices: list[int], ids: torch.Tensor):
+        """Target states for the padded batch ids [B, L] of samples `indices` of `split`:
+        from the cache when every sample is there, else one target forward (whose rows are
+        then cached while the budget lasts)."""
+        dev = ids.device
+        keys = [(split, i) for i in indices]
+        if all(k in self.cache for k in keys):
+            rows = [self.cache[k] for k in keys]
+            b, n = ids.shape
+            hidden = torch.zeros(b, n, rows[0][0].shape[-1], dtype=rows[0][0].dtype, device=dev)
+            aux = torch.zeros(b, n, rows[0][1].shape[-1], dtype=rows[0][1].dtype, device=dev)
+            in_draft = torch.zeros(b, n, dtype=torch.bool, device=dev)
+            for j, (h, a, d) in enumerate(rows):
+                hidden[j, : h.shape[0]], aux[j, : a.shape[0]], in_draft[j, : d.shape[0]] = h, a, d
+            return hidden, aux, in_draft
+        hidden, aux, in_draft = target_states(self.target, ids, self.aux_layers, self.t2d)
+        budget = self.settings.feature_cache_gb * 2**30
+        data = self.train if split == "train" else self.valid
+        for j, k in enumerate(keys):
+            n = len(data[k[1]].ids)
+            size = n * (hidden.shape[-1] * hidden.element_size() + aux.shape[-1] * aux.element_size() + 1)
+            if k not in self.cache and self.cache_bytes + size <= budget:
+                self.cache[k] = (hidden[j, :n].clone(), aux[j, :n].clone(), in_draft[j, :n].clone())
+                self.cache_bytes += size
+        return hidden, aux, in_draft
+
+    def _loss(self, split: str, indices: list[int], fraction: float = 1.0):
+        samples = [(self.train if split == "train" else self.valid)[i] for i in indices]
         ids, lengths, prompt_lens = pad_batch(samples)
         dev = self.head.fc.weight.device
-        feats = target_features(self.target, ids.to(dev), lengths.to(dev), prompt_lens.to(dev), self.aux_layers,
-                                self.draft_ids, self.t2d)
+        ids = ids.to(dev)
+        hidden, aux, in_draft = self._states(split, indices, ids)
+        feats = features_from_states(self.target, hidden, aux, in_draft, lengths.to(dev), prompt_lens.to(dev),
+                                     self.draft_ids)
         feats.aux = feats.aux.float() / self.aux_scale.to(dev)  # see measure_aux_scale
         with self._autocast():
             gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + self.step)  # replayed on resume
-            res = ttt_loss(self.head, ids.to(dev), feats, self.settings.ttt_length, self.settings.decay, fraction, gen)
+            res = ttt_loss(self.head, ids, feats, self.settings.ttt_length, self.settings.decay, fraction, gen)
             return res, ids.numel()
 
     # --------------------------------------------------------------- checkpoints
@@ -172,7 +210,7 @@ class Trainer:
         correct = [0] * self.settings.ttt_length
         counted = [0] * self.settings.ttt_length
         for batch in epoch_batches(self.valid, 0, self.settings.seed, self.settings.batch_tokens):
-            res, _ = self._loss([self.valid[i] for i in batch])
+            res, _ = self._loss("valid", batch)
             correct = [a + b for a, b in zip(correct, res.correct)]
             counted = [a + b for a, b in zip(counted, res.counted)]
         acc = [c / max(n, 1) for c, n in zip(correct, counted)]
@@ -210,7 +248,7 @@ class Trainer:
                     t0 = time.perf_counter()
                     for g in self.opt.param_groups:
                         g["lr"] = self.lr_at(self.step)
-                    res, ntok = self._loss([self.train[i] for i in batches[self.batch_index]], s.ttt_fraction)
+                    res, ntok = self._loss("train", batches[self.batch_index], s.ttt_fraction)
                     self.opt.zero_grad(set_to_none=True)
                     res.loss.backward()
                     gnorm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), s.grad_clip)

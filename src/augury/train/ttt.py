@@ -46,9 +46,12 @@ class Features:
 
 
 @torch.no_grad()
-def target_features(model: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor,
-                    aux_layers: tuple[int, ...], draft_ids: torch.Tensor, t2d: torch.Tensor) -> Features:
-    """One frozen target forward over right-padded rows ids [B, L] (lengths, prompt_lens [B])."""
+def target_states(model: TargetModel, ids: torch.Tensor, aux_layers: tuple[int, ...],
+                  t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One frozen target forward over right-padded rows ids [B, L] -> (final hidden states
+    [B, L, Ht] (after the last norm), aux layer outputs [B, L, 3Ht], whether the target's argmax
+    at each position is in the draft vocabulary [B, L]). Everything a training step needs from
+    the target, in a form small enough to keep between epochs (the full logits are not)."""
     b, n = ids.shape
     dev = ids.device
     # A prefill with no context writes its keys nowhere useful: a one-slot scratch cache.
@@ -58,14 +61,34 @@ def target_features(model: TargetModel, ids: torch.Tensor, lengths: torch.Tensor
     batch = AttnBatch(torch.zeros(b * n, dtype=torch.long, device=dev), None, None, causal=True)
     pos = torch.arange(n, device=dev)[None, :].expand(b, n)
     hidden, aux = model(ids, pos, batch, scratch, scratch.clone(), aux_layers)
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    logits = F.linear(hidden, weight)  # [B, L, V] in the target's dtype
-    in_draft = t2d.to(dev)[logits.argmax(-1)]  # [B, L]
-    probs = torch.softmax(logits[..., draft_ids.to(dev)].float(), dim=-1)  # [B, L, Vd]
+    logits = F.linear(hidden, _output_weight(model))  # [B, L, V] in the target's dtype
+    return hidden, aux, t2d.to(dev)[logits.argmax(-1)]
+
+
+def _output_weight(model: TargetModel) -> torch.Tensor:
+    return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+
+
+@torch.no_grad()
+def features_from_states(model: TargetModel, hidden: torch.Tensor, aux: torch.Tensor, in_draft: torch.Tensor,
+                         lengths: torch.Tensor, prompt_lens: torch.Tensor, draft_ids: torch.Tensor) -> Features:
+    """Features from target_states' outputs: the label distributions are the target's logits
+    at the draft vocabulary's rows (the same numbers as slicing the full logits)."""
+    n, dev = hidden.shape[1], hidden.device
+    logits = F.linear(hidden, _output_weight(model)[draft_ids.to(dev)])  # [B, L, Vd]
+    probs = torch.softmax(logits.float(), dim=-1)
     q = torch.arange(n, device=dev)[None, :]
     # P_q predicts x_{q+1}: a response token (q+1 >= prompt_len) that exists (q+1 <= len-1)
     label_ok = (q >= prompt_lens[:, None] - 1) & (q <= lengths[:, None] - 2) & in_draft
     return Features(aux, probs, label_ok)
+
+
+@torch.no_grad()
+def target_features(model: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor,
+                    aux_layers: tuple[int, ...], draft_ids: torch.Tensor, t2d: torch.Tensor) -> Features:
+    """One frozen target forward over right-padded rows ids [B, L] (lengths, prompt_lens [B])."""
+    hidden, aux, in_draft = target_states(model, ids, aux_layers, t2d)
+    return features_from_states(model, hidden, aux, in_draft, lengths, prompt_lens, draft_ids)
 
 
 def _kv_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
