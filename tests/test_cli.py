@@ -137,6 +137,17 @@ def test_bench_on_a_checkpoint_folder(tiny_checkpoint, tmp_path) -> None:
     assert all(r["greedy_match"] == 1.0 for r in report["results"])
 
 
+def test_bench_chat_prompts_average_over_prompts(tiny_checkpoint, tmp_path) -> None:
+    """--prompts chat: a run goes through --num-prompts held-out prompts in batches of the batch
+    size, so batch 1 measures several prompts, and every system sees the same ones."""
+    report = _bench(tmp_path, "--model", str(tiny_checkpoint("llama", tokenizer=True)), "--prompts", "chat",
+                    "--num-prompts", "4", "--systems", "augury,transformers")
+    rows = {(r["batch_size"], r["system"]): r for r in report["results"]}
+    assert rows[(1, "augury")]["output_tokens"] == 4 * 6  # four batches of one
+    assert rows[(3, "augury")]["output_tokens"] == 2 * 3 * 6  # two batches of three, the prompts cycled
+    assert all(r["greedy_match"] == 1.0 for r in rows.values())
+
+
 def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     """The speculative systems, a tree shape given in the system name, against plain decoding:
     lossless (greedy output equal to the reference's) and reporting tokens per verification."""
@@ -152,6 +163,7 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     for (b, system), r in rows.items():
         assert r["greedy_match"] == 1.0, system
         assert r["output_tokens"] == b * 25
+        assert r["spec_fraction"] > 0 or system in ("augury-off", "augury-adaptive:3-2-5")  # adaptive may stay off
         if system == "augury-off":
             assert r["accept_length"] == 0.0
     # the faithful head predicts the bigram target, so its drafts are taken
@@ -165,6 +177,7 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     (["bench", "--systems", "augury,augury-static:5-1-9", "--out", "{tmp}"], ["speculative_num_draft_tokens"]),
     (["bench", "--systems", "transformers,vllm", "--out", "{tmp}"], ["unknown system", "vllm"]),
     (["bench", "--output-len", "0"], ["--output-len"]),
+    (["bench", "--num-prompts", "0"], ["--num-prompts"]),
 ])
 def test_bench_errors_are_one_line(argv, words, tmp_path, capsys) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -49,8 +49,21 @@ class AugurySystem:
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
-        self.accept_length = 0.0
-        self.spec_fraction = 0.0
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Start counting verification steps, accepted drafts and decoded tokens afresh."""
+        self.steps = self.accepted = self.decoded = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verification step since reset_counts (0 when nothing was speculated)."""
+        return (self.steps + self.accepted) / self.steps if self.steps else 0.0
+
+    @property
+    def spec_fraction(self) -> float:
+        """Share of the decoded tokens (all but each request's first) that came from verification steps."""
+        return (self.steps + self.accepted) / max(1, self.decoded)
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from augury.sampling_params import SamplingParams
@@ -59,12 +72,9 @@ class AugurySystem:
         params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, seed=i if t else None)
                   for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        steps = sum(o.spec_stats.num_verify_steps for o in outs)
-        accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
-        # tokens per verification step over the run (0 when nothing was speculated)
-        self.accept_length = (steps + accepted) / steps if steps else 0.0
-        # share of the decoded tokens (all but each request's first) that came from verification steps
-        self.spec_fraction = (steps + accepted) / max(1, sum(len(o.token_ids) - 1 for o in outs))
+        self.steps += sum(o.spec_stats.num_verify_steps for o in outs)
+        self.accepted += sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
+        self.decoded += sum(len(o.token_ids) - 1 for o in outs)
         return [o.token_ids for o in outs]
 
     def close(self) -> None:

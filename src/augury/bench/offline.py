@@ -1,7 +1,9 @@
 """`augury bench`: offline greedy throughput of named systems, side by side in one run.
 
 For each batch size, every system generates exactly --output-len tokens (EOS ignored) for the
-same --batch-size prompts of --prompt-len random token ids, in the same dtype and device.
+same --batch-size prompts of --prompt-len random token ids, in the same dtype and device; with
+--prompts chat, one run goes through --num-prompts held-out chat prompts in batches of the
+batch size (so batch 1 is an average over prompts, not one prompt's luck).
 After warm-up, the systems take turns (order alternating per repeat, so slow drift in a
 shared machine's load hits all of them alike); the median of the repeats is reported as
 output tokens per second, with the ratio to the reference system (the first one) and how
@@ -39,6 +41,7 @@ class BenchSettings:
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
     prompts: str = "random"  # random token ids, or "chat": held-out chat prompts through the chat template
+    num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
     draft_model: str | None = None
     out: str = "bench_out/offline"
@@ -96,43 +99,47 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
         for b in settings.batch_sizes:
             systems = [s for s in all_systems if getattr(s, "supports", lambda n: True)(b)]
             if chat:
-                prompts = [chat[i % len(chat)] for i in range(b)]
+                n = max(len(chat), 1)
+                groups = [[chat[(g * b + i) % n] for i in range(b)] for g in range(max(1, -(-n // b)))]
             else:
-                prompts = make_prompts(b, settings.prompt_len, vocab_size, settings.seed)
+                groups = [make_prompts(b, settings.prompt_len, vocab_size, settings.seed)]
             for system in systems:
                 for _ in range(settings.warmup):
-                    system.generate(prompts, min(settings.output_len, 8))
+                    system.generate(groups[0], min(settings.output_len, 8))
                     bar.update(1)
+                getattr(system, "reset_counts", lambda: None)()  # acceptance over the timed runs only
             seconds: dict[str, list[float]] = {s.name: [] for s in systems}
             cpu: dict[str, list[float]] = {s.name: [] for s in systems}
             outputs: dict[str, list[list[int]]] = {}
             for r in range(settings.repeats):
                 for system in systems if r % 2 == 0 else systems[::-1]:
                     bar.set_postfix_str(f"batch {b} {system.name}")
+                    out: list[list[int]] = []
                     start, start_cpu = time.perf_counter(), time.process_time()
-                    out = system.generate(prompts, settings.output_len)
+                    for prompts in groups:
+                        out += system.generate(prompts, settings.output_len)
                     seconds[system.name].append(time.perf_counter() - start)
                     cpu[system.name].append(time.process_time() - start_cpu)
-                    if [len(o) for o in out] != [settings.output_len] * b:
+                    if [len(o) for o in out] != [settings.output_len] * (b * len(groups)):
                         raise RuntimeError(f"{system.name} did not generate {settings.output_len} tokens per prompt")
                     outputs.setdefault(system.name, out)
                     bar.update(1)
-            rows.extend(_rows_for(b, settings.output_len, systems, seconds, cpu, outputs))
+            rows.extend(_rows_for(b, len(groups), settings.output_len, systems, seconds, cpu, outputs))
     finally:
         bar.close()
     return rows
 
 
-def _rows_for(b: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
+def _rows_for(b: int, num_groups: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
               cpu: dict[str, list[float]], outputs: dict[str, list[list[int]]]) -> list[Row]:
     ref = systems[0].name
-    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], b * output_len,
+    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], num_groups * b * output_len,
                 accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0))
             for s in systems]
     for row in rows:
         row.ratio = rows[0].median_s / row.median_s
         row.cpu_ratio = rows[0].median_cpu_s / row.median_cpu_s
-        row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / b
+        row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / len(outputs[ref])
     return rows
 
 
@@ -219,7 +226,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         tokenizer = load_tokenizer(Path(folder))
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
-        chat = chat_prompts(tokenizer, max(settings.batch_sizes))
+        chat = chat_prompts(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
     draft = settings.draft_model
     if draft is None and settings.model == "demo":
@@ -293,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens)")
     p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
                    help="random token ids, or held-out chat prompts through the model's chat template")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help="--prompts chat: held-out prompts per run, in batches of the batch size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head for the augury-static/adaptive systems "
                    "(default: the demo's shipped head)")
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
     try:
-        for name in ("prompt_len", "output_len", "repeats"):
+        for name in ("prompt_len", "output_len", "repeats", "num_prompts"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
         settings = BenchSettings(
@@ -320,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
-            draft_model=args.draft_model, temperature=args.temperature)
+            draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:
