@@ -61,6 +61,37 @@ def test_measured_step_times_correct_the_cost_model():
     assert times == sorted(times)  # deeper drafting never predicted cheaper
 
 
+def test_shallower_trees_keep_their_node_budget():
+    tree = AdaptivePolicy(TreeShape(5, 4, 12), None)
+    # depth 1 has only topk candidates; from depth 2 on, the budget fits
+    assert [tree.shape_for(d) for d in (1, 2, 3)] == [TreeShape(1, 4, 5), TreeShape(2, 4, 12), TreeShape(3, 4, 12)]
+    assert tree.shape_for(5) == TreeShape(5, 4, 12)
+    assert [AdaptivePolicy(SHAPE, None).shape_for(d) for d in (1, 3)] == [TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
+
+
+def test_exploration_remeasures_the_stalest_depth():
+    """A depth that looked slow once (say, measured while the machine was busy) is measured
+    again: exploring steps go to the depth seen longest ago, and a fresh fast measurement
+    brings it back into use."""
+    from augury.spec.adaptive import EXPLORE_EVERY
+
+    policy = AdaptivePolicy(TreeShape(4, 4, 12), None, target_cost=LinearCost(0.040, 0.0, 1e-5),
+                            draft_cost=LinearCost(0.002, 0, 0), prior=[0.7, 0.5, 0.35, 0.25])
+    for d in range(5):
+        policy.observe(1, policy.shape_for(d) if d else None, 0.040 + 0.002 * d, [min(d, 2)] if d else [])
+    for _ in range(3):  # depth 3 once measured at 10x its real cost
+        policy.observe(1, policy.shape_for(3), 0.5, [3])
+    explored = []
+    for _ in range(12 * EXPLORE_EVERY):
+        shape = policy.choose(1)
+        depth = shape.num_steps if shape else 0
+        if policy.steps % EXPLORE_EVERY == 0:
+            explored.append(depth)
+        policy.observe(1, shape, 0.040 + 0.002 * depth, [min(depth, 2)])
+    assert 3 in explored and len(set(explored)) >= 3  # depths not in use get re-measured in turn
+    assert policy.step_time(1, 3) < 0.1  # the stale slow figure was replaced
+
+
 @pytest.mark.parametrize("policy_cls", [StaticPolicy, AdaptivePolicy])
 def test_threshold_caps_every_policy(policy_cls):
     policy = policy_cls(SHAPE, 4)

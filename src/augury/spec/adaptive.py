@@ -9,7 +9,10 @@ E_s = sum_{i<=s} P(accepted length >= i), from running per-depth acceptance stat
 (a head's measured acceptance as prior, when its config records one). Step times come
 from a cost model T(B, n) = a + b*B + c*B*n fitted to target forwards profiled at start-up
 and a draft model fitted the same way, scaled online by how far off they have been, and
-replaced by the measured average once a (batch size, depth) has been seen a few times.
+replaced by the median of the last few measured steps once a (batch size, depth) has been
+seen a few times. Every few steps the depth measured longest ago is drafted instead of the
+best one, so no depth is judged for good on an old, noisy measurement. A tree cut to a
+smaller depth keeps its node budget (see shape_for).
 The disable threshold, when set, caps it: above it the answer is always 0.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -27,9 +31,10 @@ log = logging.getLogger("augury.spec")
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 4.0  # prior per-depth acceptance and its pseudo-count
 EMA = 0.05  # weight of each new observation in the running statistics
 MARGIN = 1.08  # speculation must promise this much more goodput than plain decoding (noise guard)
-EXPLORE_EVERY = 64  # while speculating, every so many steps draft the full depth (refreshes deep rates)
-TIME_EMA = 0.2  # weight of a new step-time measurement
-MIN_SEEN = 3  # measured steps of one (batch bucket, depth) before their average replaces the model
+EXPLORE_EVERY = 16  # while speculating, every so many steps draft the depth measured longest ago
+TIME_EMA = 0.2  # weight of a new measurement in the model's correction factor
+RECENT = 5  # step times kept per (batch bucket, depth); their median is the estimate
+MIN_SEEN = 3  # measured steps of one (batch bucket, depth) before their median replaces the model
 REVISIT_EVERY = 256  # while off, every so many steps draft one token (acceptance may have recovered)
 
 
@@ -67,18 +72,26 @@ class AdaptivePolicy:
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.target_cost = target_cost or LinearCost(1.0, 0.0, 0.0)
         self.draft_cost = draft_cost or LinearCost(0.0, 0.0, 0.0)
-        self.measured: dict[tuple[int, int], tuple[float, int]] = {}  # (batch bucket, depth) -> (mean s, steps)
+        # (batch bucket, depth) -> the last RECENT step times: a median shrugs off the spikes of a shared machine
+        self.measured: dict[tuple[int, int], deque[float]] = {}
         self.scale: dict[int, float] = {}  # batch bucket -> measured / modelled step time
         self.steps = 0
         self.choices: dict[int, int] = {}
+        self.last_seen: dict[tuple[int, int], int] = {}  # (batch bucket, depth) -> step of its last measurement
 
     # ------------------------------------------------------------------ the model
     def shape_for(self, depth: int) -> TreeShape:
+        """The configured tree cut to `depth` levels. A chain keeps one node per level; a tree
+        keeps its full node budget as far as that depth has candidates (topk + (depth-1) topk^2),
+        so a shallower tree loses only its deepest nodes, the least likely ones, and the
+        per-depth acceptance measured under one depth holds for the others."""
         m = self.max_shape
         if depth >= m.num_steps:
             return m
-        nodes = max(depth + 1, round(1 + (m.num_draft_tokens - 1) * depth / m.num_steps))
-        return TreeShape(depth, m.topk, min(nodes, m.num_draft_tokens))
+        if m.topk == 1:
+            return TreeShape(depth, 1, depth + 1)
+        candidates = m.topk + (depth - 1) * m.topk * m.topk
+        return TreeShape(depth, m.topk, min(m.num_draft_tokens, 1 + candidates))
 
     def expected_accepted(self, depth: int) -> float:
         e, p = 0.0, 1.0
@@ -104,7 +117,7 @@ class AdaptivePolicy:
         times: list[float] = []
         for d in range(self.max_shape.num_steps + 1):
             seen = self.measured.get((bucket, d))
-            t = seen[0] if seen and seen[1] >= MIN_SEEN else self.model_time(batch, d) * scale
+            t = statistics.median(seen) if seen and len(seen) >= MIN_SEEN else self.model_time(batch, d) * scale
             times.append(max(t, times[-1]) if times else t)
         return times
 
@@ -131,7 +144,10 @@ class AdaptivePolicy:
         self.steps += 1
         depth = self.best_depth(batch_size)
         if depth and self.steps % EXPLORE_EVERY == 0:
-            depth = self.max_shape.num_steps  # refresh statistics of the deeper drafts
+            # refresh the depth whose time and acceptance were measured longest ago, so an early
+            # noisy measurement cannot keep a depth out of use for good
+            bucket = _bucket(batch_size)
+            depth = min(range(1, self.max_shape.num_steps + 1), key=lambda d: self.last_seen.get((bucket, d), -1))
         elif not depth and self.steps % REVISIT_EVERY == 0 and self.goodput(batch_size, 1) > 0.5 * self.goodput(batch_size, 0):
             depth = 1  # a cheap look at whether drafting pays again
         self.choices[depth] = self.choices.get(depth, 0) + 1
@@ -146,8 +162,8 @@ class AdaptivePolicy:
                     self.off[i] = (1 - EMA) * self.off[i] + EMA * PRIOR_WEIGHT
                     self.acc[i] = (1 - EMA) * self.acc[i] + EMA * PRIOR_WEIGHT * (1.0 if i < a else 0.0)
         bucket = _bucket(batch_size)
-        mean, n = self.measured.get((bucket, depth), (seconds, 0))
-        self.measured[(bucket, depth)] = ((1 - TIME_EMA) * mean + TIME_EMA * seconds if n else seconds, n + 1)
+        self.last_seen[(bucket, depth)] = self.steps
+        self.measured.setdefault((bucket, depth), deque(maxlen=RECENT)).append(seconds)
         ratio = min(max(seconds / max(self.model_time(batch_size, depth), 1e-9), 0.2), 5.0)
         self.scale[bucket] = (1 - TIME_EMA) * self.scale.get(bucket, ratio) + TIME_EMA * ratio
 
