@@ -61,6 +61,17 @@ def test_measured_step_times_correct_the_cost_model():
     assert times == sorted(times)  # deeper drafting never predicted cheaper
 
 
+@pytest.mark.parametrize("samples", [
+    [(1, 1, 0.0524), (1, 8, 0.0570)],  # one batch size (max_num_seqs=1): a and b cannot be told apart
+    [(b, n, 0.040 + 0.002 * b + 0.003 * b * n) for b in (1, 4, 16) for n in (1, 8)],
+])
+def test_cost_fit_reproduces_its_samples(samples):
+    cost = LinearCost.fit(samples)
+    for b, n, t in samples:
+        assert cost(b, n) == pytest.approx(t, rel=0.15)
+    assert min(cost.a, cost.b, cost.c) >= 0
+
+
 def test_shallower_trees_keep_their_node_budget():
     tree = AdaptivePolicy(TreeShape(5, 4, 12), None)
     # depth 1 has only topk candidates; from depth 2 on, the budget fits

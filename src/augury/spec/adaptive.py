@@ -49,9 +49,16 @@ class LinearCost:
 
     @staticmethod
     def fit(samples: list[tuple[int, int, float]]) -> "LinearCost":
-        x = torch.tensor([[1.0, b, b * n] for b, n, _ in samples], dtype=torch.float64)
+        """Least squares over (batch, tokens per request, seconds) samples. Samples at a single
+        batch size cannot tell a from b (their columns coincide), so b is then left out
+        rather than handed to a rank-deficient solve."""
+        one_batch = len({b for b, _, _ in samples}) == 1
+        cols = [(lambda b, n: 1.0)] + ([] if one_batch else [lambda b, n: float(b)]) + [lambda b, n: float(b * n)]
+        x = torch.tensor([[f(b, n) for f in cols] for b, n, _ in samples], dtype=torch.float64)
         y = torch.tensor([t for _, _, t in samples], dtype=torch.float64)
-        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].clamp(min=0).tolist()
+        coef = torch.linalg.lstsq(x, y[:, None], driver="gelsd").solution[:, 0].clamp(min=0).tolist()
+        if one_batch:
+            coef.insert(1, 0.0)
         return LinearCost(*coef)
 
 
