@@ -174,3 +174,18 @@ def test_measured_acceptance_is_the_prior():
     assert weak.best_depth(1) == 0
     assert strong.best_depth(1) >= 3
     assert strong.expected_accepted(5) == pytest.approx(0.9 + 0.8 + 0.7 + 0.6 + 0.5)
+
+
+def test_steps_that_catch_up_a_backlog_are_not_timed(ckpts):
+    """The first speculative step after a prompt (or after plain steps) also feeds the head
+    every position it missed; its time says nothing about drafting, so the policy gets its
+    acceptance but not its time."""
+    target, head = ckpts
+    llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, dtype="float32",
+              log_stats_interval=0.0)
+    seen = []
+    llm.engine.speculator.policy.observe = lambda b, shape, s, acc, timed=True: seen.append(timed)
+    llm.generate([[5] * 20], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert seen[0] is False  # the 20-token prompt was caught up in this step
+    assert len(seen) > 1 and all(seen[1:])  # afterwards each step catches up only what it committed

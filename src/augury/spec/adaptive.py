@@ -160,7 +160,8 @@ class AdaptivePolicy:
         self.choices[depth] = self.choices.get(depth, 0) + 1
         return self.shape_for(depth) if depth else None
 
-    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int]) -> None:
+    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
+                timed: bool = True) -> None:
         depth = shape.num_steps if shape else 0
         if shape is not None:
             # conditional per-depth acceptance: offered at depth i when depth i-1 was accepted
@@ -168,6 +169,8 @@ class AdaptivePolicy:
                 for i in range(min(a + 1, shape.num_steps)):
                     self.off[i] = (1 - EMA) * self.off[i] + EMA * PRIOR_WEIGHT
                     self.acc[i] = (1 - EMA) * self.acc[i] + EMA * PRIOR_WEIGHT * (1.0 if i < a else 0.0)
+        if not timed:
+            return
         bucket = _bucket(batch_size)
         self.last_seen[(bucket, depth)] = self.steps
         self.measured.setdefault((bucket, depth), deque(maxlen=RECENT)).append(seconds)

@@ -30,8 +30,10 @@ class StaticPolicy:
             return None
         return self.shape
 
-    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int]) -> None:
-        """Feedback after a step (used by the adaptive policy; nothing to learn here)."""
+    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
+                timed: bool = True) -> None:
+        """Feedback after a step (used by the adaptive policy; nothing to learn here). timed=False:
+        the step's time is not representative (it also caught the head up on a backlog)."""
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """Feedback after a plain decode step (nothing to learn here)."""

@@ -55,10 +55,14 @@ class Speculator:
         if shape is None or not engine.scheduler.try_reserve(reqs, shape.num_draft_tokens):
             engine.stats.steps_plain += 1
             return False
+        # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
+        # itself; its time would make speculation look dear, so the policy only learns its acceptance
+        backlog = max((r.num_computed - r.draft_len for r in reqs), default=0) if self.needs_aux else 0
         t0 = time.perf_counter()
         tree = self.proposer.propose(engine, reqs, shape)
         accepted = self.verify_and_commit(engine, reqs, tree)
-        self.policy.observe(len(reqs), shape, time.perf_counter() - t0, accepted)
+        self.policy.observe(len(reqs), shape, time.perf_counter() - t0, accepted,
+                            timed=backlog <= shape.num_steps + 1)
         engine.stats.steps_spec += 1
         return True
 
