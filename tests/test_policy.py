@@ -86,7 +86,7 @@ def test_exploration_remeasures_the_stalest_depth():
     brings it back into use."""
     from augury.spec.adaptive import EXPLORE_EVERY
 
-    policy = AdaptivePolicy(TreeShape(4, 4, 12), None, target_cost=LinearCost(0.040, 0.0, 1e-5),
+    policy = AdaptivePolicy(TreeShape(4, 1, 5), None, target_cost=LinearCost(0.040, 0.0, 1e-5),
                             draft_cost=LinearCost(0.002, 0, 0), prior=[0.7, 0.5, 0.35, 0.25])
     for d in range(5):
         policy.observe(1, policy.shape_for(d) if d else None, 0.040 + 0.002 * d, [min(d, 2)] if d else [])
@@ -101,6 +101,14 @@ def test_exploration_remeasures_the_stalest_depth():
         policy.observe(1, shape, 0.040 + 0.002 * depth, [min(depth, 2)])
     assert 3 in explored and len(set(explored)) >= 3  # depths not in use get re-measured in turn
     assert policy.step_time(1, 3) < 0.1  # the stale slow figure was replaced
+
+
+def test_a_tree_is_drafted_whole_or_not_at_all():
+    tree = TreeShape(3, 4, 8)
+    cheap = AdaptivePolicy(tree, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.002, 0, 0))
+    dear = AdaptivePolicy(tree, None, target_cost=LinearCost(0.040, 0.0, 0.040), draft_cost=LinearCost(0.002, 0, 0))
+    assert {cheap.choose(1) for _ in range(100)} == {tree}
+    assert {dear.choose(32) for _ in range(100)} == {None}
 
 
 @pytest.mark.parametrize("policy_cls", [StaticPolicy, AdaptivePolicy])

@@ -135,10 +135,18 @@ class AdaptivePolicy:
         t = (times or self.step_times(batch))[depth]
         return batch * (1.0 + self.expected_accepted(depth)) / max(t, 1e-9)
 
+    def depths(self) -> list[int]:
+        """Depths the policy chooses between (besides 0). A chain: every depth. A tree: its full
+        depth only; cutting a tree saves a draft forward or two but its node budget stays (see
+        shape_for), and on a shared CPU the step times that would tell depths apart are noisier
+        than the difference, while drafting or not is a clear call."""
+        s = self.max_shape.num_steps
+        return list(range(1, s + 1)) if self.max_shape.topk == 1 else [s]
+
     def best_depth(self, batch: int) -> int:
         times = self.step_times(batch)
         best, best_g = 0, self.goodput(batch, 0, times) * MARGIN
-        for d in range(1, self.max_shape.num_steps + 1):
+        for d in self.depths():
             g = self.goodput(batch, d, times)
             if g > best_g:
                 best, best_g = d, g
@@ -154,9 +162,11 @@ class AdaptivePolicy:
             # refresh the depth whose time and acceptance were measured longest ago, so an early
             # noisy measurement cannot keep a depth out of use for good
             bucket = _bucket(batch_size)
-            depth = min(range(1, self.max_shape.num_steps + 1), key=lambda d: self.last_seen.get((bucket, d), -1))
-        elif not depth and self.steps % REVISIT_EVERY == 0 and self.goodput(batch_size, 1) > 0.5 * self.goodput(batch_size, 0):
-            depth = 1  # a cheap look at whether drafting pays again
+            depth = min(self.depths(), key=lambda d: self.last_seen.get((bucket, d), -1))
+        elif not depth and self.steps % REVISIT_EVERY == 0:
+            cheapest = self.depths()[0]
+            if self.goodput(batch_size, cheapest) > 0.5 * self.goodput(batch_size, 0):
+                depth = cheapest  # a cheap look at whether drafting pays again
         self.choices[depth] = self.choices.get(depth, 0) + 1
         return self.shape_for(depth) if depth else None
 

@@ -24,7 +24,7 @@ from augury.spec.verifier import verify
 log = logging.getLogger("augury.spec")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
-AUTO_SHAPE = {"eagle3": TreeShape(5, 1, 6), "ngram": TreeShape(4, 1, 5)}
+AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
