@@ -33,9 +33,9 @@ EMA = 0.05  # weight of each new observation in the running statistics
 MARGIN = 1.08  # speculation must promise this much more goodput than plain decoding (noise guard)
 EXPLORE_EVERY = 16  # while speculating, every so many steps draft the depth measured longest ago
 TIME_EMA = 0.2  # weight of a new measurement in the model's correction factor
-RECENT = 5  # step times kept per (batch bucket, depth); their median is the estimate
-MIN_SEEN = 3  # measured steps of one (batch bucket, depth) before their median replaces the model
-REVISIT_EVERY = 256  # while off, every so many steps draft one token (acceptance may have recovered)
+RECENT = 9  # step times kept per (batch bucket, depth); their median is the estimate
+MIN_SEEN = 5  # measured steps of one (batch bucket, depth) before their median replaces the model
+REVISIT_EVERY = 64  # while off, every so many steps draft the cheapest draft (it may pay again)
 
 
 class LinearCost:
