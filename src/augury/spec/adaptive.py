@@ -10,9 +10,10 @@ E_s = sum_{i<=s} P(accepted length >= i), from running per-depth acceptance stat
 from a cost model T(B, n) = a + b*B + c*B*n fitted to target forwards profiled at start-up
 and a draft model fitted the same way, scaled online by how far off they have been, and
 replaced by the median of the last few measured steps once a (batch size, depth) has been
-seen a few times. Every few steps the depth measured longest ago is drafted instead of the
-best one, so no depth is judged for good on an old, noisy measurement. A tree cut to a
-smaller depth keeps its node budget (see shape_for).
+seen a few times; steps that also caught the head up on a backlog are not timed. Every few
+steps the depth measured longest ago is drafted instead of the best one, so no depth is
+judged for good on an old, noisy measurement. A chain may be cut to any depth; a tree is
+drafted whole or not at all (see depths).
 The disable threshold, when set, caps it: above it the answer is always 0.
 """
 from __future__ import annotations
