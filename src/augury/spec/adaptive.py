@@ -36,7 +36,7 @@ EXPLORE_EVERY = 16  # while speculating, every so many steps draft the depth mea
 TIME_EMA = 0.2  # weight of a new measurement in the model's correction factor
 RECENT = 9  # step times kept per (batch bucket, depth); their median is the estimate
 MIN_SEEN = 5  # measured steps of one (batch bucket, depth) before their median replaces the model
-REVISIT_EVERY = 64  # while off, every so many steps draft the cheapest draft (it may pay again)
+REVISIT_EVERY = 256  # while off, every so many steps draft the cheapest draft (it may pay again)
 
 
 class LinearCost:
