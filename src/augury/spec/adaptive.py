@@ -54,8 +54,8 @@ class LinearCost:
         batch size cannot tell a from b (their columns coincide), so b is then left out
         rather than handed to a rank-deficient solve."""
         one_batch = len({b for b, _, _ in samples}) == 1
-        cols = [(lambda b, n: 1.0)] + ([] if one_batch else [lambda b, n: float(b)]) + [lambda b, n: float(b * n)]
-        x = torch.tensor([[f(b, n) for f in cols] for b, n, _ in samples], dtype=torch.float64)
+        rows = [[1.0, b * n] if one_batch else [1.0, b, b * n] for b, n, _ in samples]
+        x = torch.tensor(rows, dtype=torch.float64)
         y = torch.tensor([t for _, _, t in samples], dtype=torch.float64)
         coef = torch.linalg.lstsq(x, y[:, None], driver="gelsd").solution[:, 0].clamp(min=0).tolist()
         if one_batch:

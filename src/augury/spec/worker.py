@@ -109,7 +109,6 @@ class Speculator:
         return accepted
 
 
-
 @dataclass(frozen=True)
 class DraftPlan:
     """What the "draft head" start-up stage produced: everything a Speculator needs except

@@ -28,7 +28,7 @@ from augury.models.eagle3 import Eagle3Head
 from augury.models.llama import TargetModel
 from augury.train.data import Sample, epoch_batches
 from augury.train.head import head_state, trainable_parameters
-from augury.train.ttt import features_from_states, target_features, target_states, ttt_loss
+from augury.train.ttt import draft_output_weight, features_from_states, target_features, target_states, ttt_loss
 
 log = logging.getLogger("augury.train")
 
@@ -89,6 +89,7 @@ class Trainer:
         # (split, sample index) -> (hidden [n, Ht], aux [n, 3Ht], in_draft [n]) for the sample's n tokens
         self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.cache_bytes = 0
+        self.draft_weight = draft_output_weight(target, draft_ids)  # [Vd, Ht]: label logits come from these rows
         self.aux_scale = self.measure_aux_scale(valid or train)  # [3Ht] float32
 
     @torch.no_grad()
@@ -128,6 +129,9 @@ class Trainer:
             return torch.autocast("cpu" if self.head.fc.weight.device.type == "cpu" else "cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _samples(self, split: str) -> list[Sample]:
+        return self.train if split == "train" else self.valid
+
     def _states(self, split: str, indices: list[int], ids: torch.Tensor):
         """Target states for the padded batch ids [B, L] of samples `indices` of `split`:
         from the cache when every sample is there, else one target forward (whose rows are
@@ -145,7 +149,7 @@ class Trainer:
             return hidden, aux, in_draft
         hidden, aux, in_draft = target_states(self.target, ids, self.aux_layers, self.t2d)
         budget = self.settings.feature_cache_gb * 2**30
-        data = self.train if split == "train" else self.valid
+        data = self._samples(split)
         for j, k in enumerate(keys):
             n = len(data[k[1]].ids)
             size = n * (hidden.shape[-1] * hidden.element_size() + aux.shape[-1] * aux.element_size() + 1)
@@ -155,13 +159,12 @@ class Trainer:
         return hidden, aux, in_draft
 
     def _loss(self, split: str, indices: list[int], fraction: float = 1.0):
-        samples = [(self.train if split == "train" else self.valid)[i] for i in indices]
+        samples = [self._samples(split)[i] for i in indices]
         ids, lengths, prompt_lens = pad_batch(samples)
         dev = self.head.fc.weight.device
         ids = ids.to(dev)
         hidden, aux, in_draft = self._states(split, indices, ids)
-        feats = features_from_states(self.target, hidden, aux, in_draft, lengths.to(dev), prompt_lens.to(dev),
-                                     self.draft_ids)
+        feats = features_from_states(hidden, aux, in_draft, lengths.to(dev), prompt_lens.to(dev), self.draft_weight)
         feats.aux = feats.aux.float() / self.aux_scale.to(dev)  # see measure_aux_scale
         with self._autocast():
             gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + self.step)  # replayed on resume

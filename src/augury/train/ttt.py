@@ -69,13 +69,19 @@ def _output_weight(model: TargetModel) -> torch.Tensor:
     return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
 
 
+def draft_output_weight(model: TargetModel, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target output layer's rows for the draft vocabulary [Vd, Ht] (a copy: make it once)."""
+    weight = _output_weight(model)
+    return weight[draft_ids.to(weight.device)]
+
+
 @torch.no_grad()
-def features_from_states(model: TargetModel, hidden: torch.Tensor, aux: torch.Tensor, in_draft: torch.Tensor,
-                         lengths: torch.Tensor, prompt_lens: torch.Tensor, draft_ids: torch.Tensor) -> Features:
+def features_from_states(hidden: torch.Tensor, aux: torch.Tensor, in_draft: torch.Tensor, lengths: torch.Tensor,
+                         prompt_lens: torch.Tensor, draft_weight: torch.Tensor) -> Features:
     """Features from target_states' outputs: the label distributions are the target's logits
-    at the draft vocabulary's rows (the same numbers as slicing the full logits)."""
+    at the draft vocabulary's rows (draft_output_weight; the same numbers as slicing the full logits)."""
     n, dev = hidden.shape[1], hidden.device
-    logits = F.linear(hidden, _output_weight(model)[draft_ids.to(dev)])  # [B, L, Vd]
+    logits = F.linear(hidden, draft_weight)  # [B, L, Vd]
     probs = torch.softmax(logits.float(), dim=-1)
     q = torch.arange(n, device=dev)[None, :]
     # P_q predicts x_{q+1}: a response token (q+1 >= prompt_len) that exists (q+1 <= len-1)
@@ -88,7 +94,7 @@ def target_features(model: TargetModel, ids: torch.Tensor, lengths: torch.Tensor
                     aux_layers: tuple[int, ...], draft_ids: torch.Tensor, t2d: torch.Tensor) -> Features:
     """One frozen target forward over right-padded rows ids [B, L] (lengths, prompt_lens [B])."""
     hidden, aux, in_draft = target_states(model, ids, aux_layers, t2d)
-    return features_from_states(model, hidden, aux, in_draft, lengths, prompt_lens, draft_ids)
+    return features_from_states(hidden, aux, in_draft, lengths, prompt_lens, draft_output_weight(model, draft_ids))
 
 
 def _kv_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
