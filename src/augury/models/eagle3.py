@@ -167,7 +167,7 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
     head.embed = embed
     head.rotary = Rotary(cfg.rope, cfg.head_dim, max_len).to(device)
     head.d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=device)
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size
     w, gu = head.qkv_proj.weight, head.mlp.gate_up_proj.weight
     targets = {
