@@ -182,3 +182,32 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
 def test_bench_errors_are_one_line(argv, words, tmp_path, capsys) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     one_line_error(capsys, main(argv), *words)
+
+
+def test_bench_stop_at_eos_counts_the_tokens_generated(tiny_checkpoint, tmp_path) -> None:
+    """--stop-at-eos: sequences end at their end-of-sequence token as in a chat; every system is
+    measured in the tokens it generated, and augury and transformers stop at the same token."""
+    import shutil
+
+    from augury import LLM, SamplingParams
+    from augury.bench import chat_prompts
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama", tokenizer=True), folder)
+    llm = LLM(str(folder), dtype="float32")
+    prompts = chat_prompts(llm.tokenizer, 4)
+    full = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                              use_tqdm=False)]
+    eos = full[0][2]  # make the third token of the first answer the end-of-sequence token
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((folder / name).read_text())
+        cfg["eos_token_id"] = eos
+        (folder / name).write_text(json.dumps(cfg))
+    want = sum(next((i + 1 for i, t in enumerate(ids) if t == eos), len(ids)) for ids in full)
+    assert want < 4 * 6
+    report = _bench(tmp_path, "--model", str(folder), "--prompts", "chat", "--num-prompts", "4", "--batch-sizes", "1",
+                    "--systems", "augury,transformers", "--stop-at-eos")
+    rows = {r["system"]: r for r in report["results"]}
+    assert rows["augury"]["output_tokens"] == rows["transformers"]["output_tokens"] == want
+    assert rows["transformers"]["greedy_match"] == 1.0
+    assert rows["transformers"]["ratio"] == pytest.approx(rows["transformers"]["tokens_per_s"] / rows["augury"]["tokens_per_s"])

@@ -1,7 +1,8 @@
 """Benchmarks. A benchmark compares named *systems* on the same checkpoint, prompts and dtype.
 
-A system is anything with `name`, `generate(prompts, output_len) -> token ids per prompt`
-(greedy, exactly output_len new tokens each) and `close()`. Two are built in: augury's
+A system is anything with `name`, `generate(prompts, output_len, stop_at_eos=False) -> token ids
+per prompt` (exactly output_len new tokens each, or with stop_at_eos up to and including the
+first end-of-sequence token, at most output_len) and `close()`. Two are built in: augury's
 engine and transformers' `generate`. More rows (speculation on/off, policies) are added by
 registering a factory: `register_system("augury-eagle3", lambda s: AugurySystem(s, "augury-eagle3",
 speculative_algorithm="eagle3", ...))`, then `augury bench --systems transformers,augury,augury-eagle3`.
@@ -31,13 +32,13 @@ class SystemSettings:
 class System(Protocol):
     name: str
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
+    def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]: ...
 
     def close(self) -> None: ...
 
 
 class AugurySystem:
-    """augury's LLM, greedy, ignoring EOS; extra keyword arguments go to LLM (EngineConfig fields)."""
+    """augury's LLM at the benchmark's temperature; extra keyword arguments go to LLM (EngineConfig fields)."""
 
     def __init__(self, settings: SystemSettings, name: str = "augury", **engine_kwargs: Any) -> None:
         from augury.llm import LLM
@@ -65,11 +66,11 @@ class AugurySystem:
         """Share of the decoded tokens (all but each request's first) that came from verification steps."""
         return (self.steps + self.accepted) / max(1, self.decoded)
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
         from augury.sampling_params import SamplingParams
 
         t = self.temperature
-        params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True, seed=i if t else None)
+        params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=not stop_at_eos, seed=i if t else None)
                   for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.steps += sum(o.spec_stats.num_verify_steps for o in outs)
@@ -82,7 +83,7 @@ class AugurySystem:
 
 
 class TransformersSystem:
-    """transformers' model class and `generate`, greedy, EOS disabled, same dtype and device.
+    """transformers' model class and `generate` at the benchmark's temperature, same dtype and device.
 
     Prompts of different lengths are left-padded with an attention mask. `generate_kwargs`
     select a decoding variant (e.g. prompt_lookup_num_tokens=10 for prompt lookup decoding).
@@ -102,7 +103,8 @@ class TransformersSystem:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype))
         self.model = model.to(self.device).eval()
         gen = self.model.generation_config
-        gen.eos_token_id = None  # fixed output length, like ignore_eos
+        self.eos_ids = _eos_ids(folder)  # the same set augury stops at
+        gen.eos_token_id = None  # fixed output length, like ignore_eos, unless a call asks to stop
         gen.temperature = gen.top_p = gen.top_k = None  # checkpoints may ship sampling defaults
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
         self.max_batch = max_batch
@@ -113,19 +115,43 @@ class TransformersSystem:
     def supports(self, batch_size: int) -> bool:
         return self.max_batch is None or batch_size <= self.max_batch
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
         torch = self.torch
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, L]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         with torch.inference_mode():
             kwargs = {"do_sample": False, **self.generate_kwargs}
+            if stop_at_eos:
+                kwargs["eos_token_id"] = sorted(self.eos_ids)
+            else:
+                kwargs["min_new_tokens"] = output_len
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
-                                      min_new_tokens=output_len, pad_token_id=self.pad_id, **kwargs)
-        return out[:, width:].tolist()
+                                      pad_token_id=self.pad_id, **kwargs)
+        rows = out[:, width:].tolist()
+        if stop_at_eos:  # rows that finished early are padded after their end-of-sequence token
+            rows = [_through_first(row, self.eos_ids) for row in rows]
+        return rows
 
     def close(self) -> None:
         del self.model
+
+
+def _eos_ids(folder) -> set[int]:
+    from pathlib import Path
+
+    from augury.engine.builder import eos_ids, load_tokenizer
+    from augury.models.config import TargetConfig
+
+    return eos_ids(Path(folder), TargetConfig.from_folder(Path(folder)).eos_token_ids, load_tokenizer(Path(folder)))
+
+
+def _through_first(row: list[int], stops: set[int]) -> list[int]:
+    """row up to and including its first token in stops (all of it when there is none)."""
+    for i, tok in enumerate(row):
+        if tok in stops:
+            return row[: i + 1]
+    return row
 
 
 def _speculative(name: str, **kwargs: Any) -> Callable[[SystemSettings], System]:

@@ -3,7 +3,9 @@
 For each batch size, every system generates exactly --output-len tokens (EOS ignored) for the
 same --batch-size prompts of --prompt-len random token ids, in the same dtype and device; with
 --prompts chat, one run goes through --num-prompts held-out chat prompts in batches of the
-batch size (so batch 1 is an average over prompts, not one prompt's luck).
+batch size (so batch 1 is an average over prompts, not one prompt's luck). With --stop-at-eos
+each sequence ends at its end-of-sequence token instead (at most --output-len), as a chat user
+sees it, and every system is measured in the tokens it generated per second.
 After warm-up, the systems take turns (order alternating per repeat, so slow drift in a
 shared machine's load hits all of them alike); the median of the repeats is reported as
 output tokens per second, with the ratio to the reference system (the first one) and how
@@ -43,6 +45,7 @@ class BenchSettings:
     prompts: str = "random"  # random token ids, or "chat": held-out chat prompts through the chat template
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
+    stop_at_eos: bool = False  # end each sequence at its EOS token (at most output_len) instead of a fixed length
     draft_model: str | None = None
     out: str = "bench_out/offline"
     seed: int = 0
@@ -56,7 +59,7 @@ class Row:
     batch_size: int
     seconds: list[float]  # wall-clock, one per repeat
     cpu_seconds: list[float]  # this process's CPU time, one per repeat (steadier on a shared machine)
-    output_tokens: int  # per repeat: batch_size * output_len
+    output_tokens: int  # per repeat: batch_size * output_len, or what was generated with stop_at_eos
     ratio: float = 1.0  # tokens/s over the reference system's (wall-clock medians)
     cpu_ratio: float = 1.0  # the same with CPU-time medians
     greedy_match: float = 1.0  # fraction of sequences equal to the reference's
@@ -105,7 +108,7 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                 groups = [make_prompts(b, settings.prompt_len, vocab_size, settings.seed)]
             for system in systems:
                 for _ in range(settings.warmup):
-                    system.generate(groups[0], min(settings.output_len, 8))
+                    system.generate(groups[0], min(settings.output_len, 8), settings.stop_at_eos)
                     bar.update(1)
                 getattr(system, "reset_counts", lambda: None)()  # acceptance over the timed runs only
             seconds: dict[str, list[float]] = {s.name: [] for s in systems}
@@ -117,28 +120,37 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                     out: list[list[int]] = []
                     start, start_cpu = time.perf_counter(), time.process_time()
                     for prompts in groups:
-                        out += system.generate(prompts, settings.output_len)
+                        out += system.generate(prompts, settings.output_len, settings.stop_at_eos)
                     seconds[system.name].append(time.perf_counter() - start)
                     cpu[system.name].append(time.process_time() - start_cpu)
-                    if [len(o) for o in out] != [settings.output_len] * (b * len(groups)):
-                        raise RuntimeError(f"{system.name} did not generate {settings.output_len} tokens per prompt")
+                    _check_lengths(system.name, out, settings.output_len, settings.stop_at_eos)
                     outputs.setdefault(system.name, out)
                     bar.update(1)
-            rows.extend(_rows_for(b, len(groups), settings.output_len, systems, seconds, cpu, outputs))
+            rows.extend(_rows_for(b, systems, seconds, cpu, outputs))
     finally:
         bar.close()
     return rows
 
 
-def _rows_for(b: int, num_groups: int, output_len: int, systems: list[System], seconds: dict[str, list[float]],
+def _check_lengths(name: str, out: list[list[int]], output_len: int, stop_at_eos: bool) -> None:
+    if stop_at_eos:
+        if any(not 1 <= len(o) <= output_len for o in out):
+            raise RuntimeError(f"{name} generated a sequence outside 1..{output_len} tokens")
+    elif any(len(o) != output_len for o in out):
+        raise RuntimeError(f"{name} did not generate {output_len} tokens per prompt")
+
+
+def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
               cpu: dict[str, list[float]], outputs: dict[str, list[list[int]]]) -> list[Row]:
+    """One row per system; ratios are tokens per second over the reference's (the systems may
+    generate different numbers of tokens when sequences stop at EOS)."""
     ref = systems[0].name
-    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], num_groups * b * output_len,
+    rows = [Row(s.name, b, seconds[s.name], cpu[s.name], sum(len(o) for o in outputs[s.name]),
                 accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0))
             for s in systems]
     for row in rows:
-        row.ratio = rows[0].median_s / row.median_s
-        row.cpu_ratio = rows[0].median_cpu_s / row.median_cpu_s
+        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
+        row.cpu_ratio = (row.output_tokens / row.median_cpu_s) / (rows[0].output_tokens / rows[0].median_cpu_s)
         row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / len(outputs[ref])
     return rows
 
@@ -303,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="--prompts chat: held-out prompts per run, in batches of the batch size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
+    p.add_argument("--stop-at-eos", action="store_true", help="end each sequence at its end-of-sequence token "
+                   "(at most --output-len), as in a chat; default: exactly --output-len tokens")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head for the augury-static/adaptive systems "
                    "(default: the demo's shipped head)")
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
@@ -329,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
-            draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts)
+            draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
+            stop_at_eos=args.stop_at_eos)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:
