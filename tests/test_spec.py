@@ -218,3 +218,41 @@ def test_aux_layer_convention(ckpts):
     eng.step()  # the prefill captures the features
     got = torch.cat(req.pending_aux)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ctx", [5, 61])
+def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx):
+    """Every node of a verified tree gets bit for bit the hidden state plain decoding computes
+    for that token after its path, in bfloat16 too, where one masked attention over the whole
+    tree would sum the keys in another order (and flip near-tie greedy choices)."""
+    from augury.engine.attention import build_attn_batch
+    from augury.spec.tree import depth_from_parents, tree_attention_mask
+
+    llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
+    eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
+    g = torch.Generator().manual_seed(ctx)
+    prompt = torch.randint(3, 256, (1, ctx), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 5, 8, 8, 9]])
+    n = parents.shape[1]
+    tokens = torch.randint(3, 256, (1, n), generator=g)
+    depth = depth_from_parents(parents)
+    per = -(-(ctx + n) // bs)
+    tables = [list(range(1, 1 + per)), list(range(1 + per, 1 + 2 * per))]  # free blocks: nothing runs
+
+    def run(table, ids, pos, c, mask=None, tree_parents=None):
+        batch = build_attn_batch([table], [c], [ids.shape[1]], ids.shape[1], bs, eng.device, mask,
+                                 tree_parents=tree_parents)
+        with torch.inference_mode():
+            return model(ids, pos, batch, eng.kv.k, eng.kv.v)[0][0]
+
+    for table in tables:
+        run(table, prompt, torch.arange(ctx)[None], 0)
+    got = run(tables[1], tokens, ctx + depth, ctx, tree_attention_mask(parents), parents)
+    assert got.dtype == torch.bfloat16
+    for i in range(n):
+        path = [i]
+        while parents[0, path[-1]] >= 0:
+            path.append(int(parents[0, path[-1]]))
+        for k, node in enumerate(reversed(path)):  # decode the path one token at a time
+            want = run(tables[0], tokens[:, node : node + 1], torch.tensor([[ctx + k]]), ctx + k)
+        assert torch.equal(got[i], want[0]), f"node {i} (depth {len(path) - 1}) differs from decoding"

@@ -5,6 +5,10 @@ import torch
 
 from augury.models.llama import AttnBatch
 
+# Exact tree attention splits a verification into one attention call per key count; past this
+# many calls (large batches of different lengths) it falls back to one masked call.
+MAX_EXACT_GROUPS = 8
+
 
 def build_attn_batch(
     block_tables: list[list[int]],
@@ -15,6 +19,7 @@ def build_attn_batch(
     device: torch.device,
     tree_mask: torch.Tensor | None = None,
     write: bool = True,
+    tree_parents: torch.Tensor | None = None,
 ) -> AttnBatch:
     """Metadata for B requests, each with ctx_lens[b] cached tokens and q_lens[b] new ones.
 
@@ -22,6 +27,7 @@ def build_attn_batch(
     q_width is the padded query width Q. tree_mask [B, Q, Q] (True = may attend) replaces
     the causal mask among new tokens (speculative verification). With write=False the new
     tokens go to the reserved slot 0 (drafting scratch that must not touch the cache).
+    tree_parents [B, Q] (with tree_mask) asks for exact tree attention, see `exact_groups`.
     """
     b = len(block_tables)
     c = max(ctx_lens)
@@ -67,4 +73,47 @@ def build_attn_batch(
         parts.append(ctx_mask[:, None, :].expand(b, q_width, c))
     parts.append(new_mask)
     mask = torch.cat(parts, dim=-1)[:, None]  # [B, 1, Q, C+Q]
-    return AttnBatch(slot_mapping, kv_index, mask, causal=False)
+    groups = None
+    if tree_parents is not None and write and all(x == q_width for x in q_lens):
+        groups = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
+    return AttnBatch(slot_mapping, kv_index, mask, causal=False, groups=groups)
+
+
+def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens: list[int],
+                 node_slots: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+    """Tree attention that computes each node exactly as plain decoding would compute that token.
+
+    One masked attention over the whole tree sums each node's keys in another order and
+    blocking than a decode step over exactly its own keys, so in bfloat16 a near-tie can flip
+    a greedy choice. Here node i of request b attends to its request's context keys followed by
+    its ancestors' and its own, in position order: exactly the keys a decode step at that
+    position reads. Nodes with the same number of keys share one attention call (the rows of a
+    batched call are computed independently, so the result is bit for bit the single-query one).
+
+    Returns ((query rows [G] into the flattened B*Q queries, key slots [G, L]), ...) per key
+    count L, or None when that would take more than MAX_EXACT_GROUPS calls.
+    """
+    b, q = parents.shape
+    par = parents.tolist()
+    depth = [[0] * q for _ in range(b)]
+    for i in range(b):
+        for j in range(1, q):
+            depth[i][j] = depth[i][par[i][j]] + 1
+    lengths = {ctx_lens[i] + depth[i][j] + 1 for i in range(b) for j in range(q)}
+    if len(lengths) > MAX_EXACT_GROUPS:
+        return None
+    by_len: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+    for i in range(b):
+        ctx = kv_index[i, : ctx_lens[i]] if kv_index is not None else node_slots.new_empty(0)
+        for j in range(q):
+            path = []
+            node = j
+            while node >= 0:
+                path.append(node)
+                node = par[i][node]
+            keys = torch.cat([ctx, node_slots[i, path[::-1]]])
+            rows, slots = by_len.setdefault(len(keys), ([], []))
+            rows.append(i * q + j)
+            slots.append(keys)
+    dev = node_slots.device
+    return tuple((torch.tensor(rows, device=dev), torch.stack(slots)) for rows, slots in by_len.values())

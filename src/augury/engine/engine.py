@@ -124,10 +124,11 @@ class Engine:
         return self._emit(touched)
 
     def forward(self, reqs: list[Request], rows: list[list[int]], positions: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None, aux: bool = False):
+                tree_mask: torch.Tensor | None = None, aux: bool = False, tree_parents: torch.Tensor | None = None):
         """One target forward: request b feeds rows[b] after its num_computed cached tokens.
 
-        positions [B, Q] default to consecutive ones. Returns (hidden [B, Q, H], aux or None).
+        positions [B, Q] default to consecutive ones; tree_parents (with tree_mask) asks for exact
+        tree attention (each node computed as a decode step would). Returns (hidden [B, Q, H], aux or None).
         """
         q = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), q, dtype=torch.long)
@@ -137,7 +138,7 @@ class Engine:
         if positions is None:
             positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
         batch = build_attn_batch([r.block_table for r in reqs], ctx, [len(r) for r in rows], q,
-                                 self.allocator.block_size, self.device, tree_mask)
+                                 self.allocator.block_size, self.device, tree_mask, tree_parents=tree_parents)
         layers = self.speculator.aux_layers if (aux and self.speculator is not None) else ()
         return self.model(ids.to(self.device), positions.clamp(max=self.max_model_len - 1).to(self.device),
                           batch, self.kv.k, self.kv.v, layers)

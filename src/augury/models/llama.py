@@ -25,12 +25,16 @@ class AttnBatch:
     then its Q new ones (read after the new ones are written); None when no request has
     context, and the keys are the new tokens themselves.
     mask [B, 1, Q, C+Q] bool or None; when None, `causal` selects causal vs full visibility.
+    groups, when set, replace kv_index and mask (exact tree attention, see
+    engine.attention.exact_groups): per key count L, the rows [G] of the flattened B*Q
+    queries and the cache slots [G, L] of exactly the keys each of them reads.
     """
 
     slot_mapping: torch.Tensor
     kv_index: torch.Tensor | None
     mask: torch.Tensor | None
     causal: bool = True
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
 
 class Attention(nn.Module):
@@ -57,6 +61,8 @@ class Attention(nn.Module):
         # k_cache/v_cache [S, nkv, hd]: write the new tokens, read the context by slot
         k_cache.index_copy_(0, batch.slot_mapping, k.reshape(b * ql, self.nkv, self.hd))
         v_cache.index_copy_(0, batch.slot_mapping, v.reshape(b * ql, self.nkv, self.hd))
+        if batch.groups is not None:
+            return self.o_proj(self._attend_groups(q, batch.groups, k_cache, v_cache).view(b, ql, -1))
         if batch.kv_index is not None:
             # one flat gather of context + new keys (index_select beats advanced indexing ~5x on CPUs)
             flat, n_keys = batch.kv_index.view(-1), batch.kv_index.shape[1]
@@ -64,6 +70,17 @@ class Attention(nn.Module):
             v = v_cache.index_select(0, flat).view(b, n_keys, self.nkv, self.hd)
         out = attend(q, k, v, None, None, batch.mask, batch.causal)
         return self.o_proj(out)
+
+    def _attend_groups(self, q, groups, k_cache, v_cache) -> torch.Tensor:
+        """Each query on its own as one decode step: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
+        flat = q.reshape(-1, 1, self.nh, self.hd)
+        out = flat.new_empty(flat.shape[0], 1, self.nh * self.hd)
+        for rows, slots in groups:
+            g, n = slots.shape
+            k = k_cache.index_select(0, slots.view(-1)).view(g, n, self.nkv, self.hd)
+            v = v_cache.index_select(0, slots.view(-1)).view(g, n, self.nkv, self.hd)
+            out[rows] = attend(flat[rows], k, v, None, None, None, False)
+        return out
 
 
 class MLP(nn.Module):

@@ -72,7 +72,8 @@ class Speculator:
         mask = tree_attention_mask(tree.parents).to(dev)  # [B, N, N]
         ctx = torch.tensor([r.num_computed for r in reqs])
         positions = ctx[:, None] + tree.depth.cpu()  # [B, N]: the tree sits at seq_len + depth
-        hidden, aux = engine.forward(reqs, tree.tokens.tolist(), positions, mask, aux=self.needs_aux)
+        hidden, aux = engine.forward(reqs, tree.tokens.tolist(), positions, mask, aux=self.needs_aux,
+                                     tree_parents=tree.parents.cpu())
         # Small batches: every node's logits in one product, reading the output layer once (it is
         # memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
         if hidden.shape[0] * n <= LOGITS_AT_ONCE:
