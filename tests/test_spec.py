@@ -256,3 +256,27 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx):
         for k, node in enumerate(reversed(path)):  # decode the path one token at a time
             want = run(tables[0], tokens[:, node : node + 1], torch.tensor([[ctx + k]]), ctx + k)
         assert torch.equal(got[i], want[0]), f"node {i} (depth {len(path) - 1}) differs from decoding"
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_ngram_branch_on_eagle3_trees(ckpts, batch):
+    """Prompt-lookup tokens grafted onto the head's tree: greedy output stays plain greedy, and on
+    a bigram target (whose next token any earlier occurrence of the current one predicts) the
+    branch is accepted deeper than the head's own tree reaches."""
+    plain_bigram = LLM(str(ckpts["bigram"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    # prompts that already follow the target's own next-token map (and so, on 256 tokens, have
+    # run into its cycle): lookups in them predict the continuation
+    starts = [p[:2] for p in _prompts(batch, seed=7)]
+    prompts = [p + o.token_ids for p, o in zip(starts, plain_bigram.generate(starts, _greedy([60] * batch), use_tqdm=False))]
+    params = _greedy([20 + 3 * i for i in range(batch)])
+    want = [o.token_ids for o in plain_bigram.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(ckpts["bigram"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy="static", speculative_num_steps=2, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=4, speculative_ngram_branch=6, max_num_seqs=8, log_stats_interval=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    steps = sum(o.spec_stats.num_verify_steps for o in outs)
+    accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
+    assert accepted / steps > 2  # more than the head's tree depth: the random head alone gets ~0
+    assert all(o.spec_stats.num_draft_tokens >= o.spec_stats.num_verify_steps * 3 for o in outs)
+    _assert_no_leak(llm)

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from augury.spec.tree import DraftTree, chain_tree, depth_from_parents, select_tree, tree_attention_mask
+from augury.spec.tree import (DraftTree, chain_tree, depth_from_parents, graft_chains, select_tree,
+                              tree_attention_mask)
 
 
 def _brute_mask(parents: list[int]) -> list[list[bool]]:
@@ -163,3 +164,39 @@ def test_tree_attention_mask_random_trees(n: int) -> None:
         brute = _brute_mask(row)
         assert mask[b].tolist() == brute
         assert depth[b].tolist() == [sum(r) - 1 for r in brute]
+
+
+def _tree(tokens: list[list[int]], parents: list[list[int]]) -> DraftTree:
+    p = torch.tensor(parents)
+    return DraftTree(tokens=torch.tensor(tokens), parents=p, depth=depth_from_parents(p))
+
+
+def test_graft_chains_follows_the_tree_then_branches_and_pads() -> None:
+    # root 10 -> (11 -> 13), 12
+    tree = _tree([[10, 11, 12, 13], [20, 21, 22, 23]], [[-1, 0, 0, 1], [-1, 0, 0, 1]])
+    out = graft_chains(tree, [[11, 13, 7, 8], [30]])
+    # row 0: 11 and 13 are already there; 7 -> 8 hang off node 3 (13) as nodes 4, 5
+    assert out.tokens[0].tolist() == [10, 11, 12, 13, 7, 8]
+    assert out.parents[0].tolist() == [-1, 0, 0, 1, 3, 4]
+    assert out.depth[0].tolist() == [0, 1, 1, 2, 3, 4]
+    # row 1: 30 is a new child of the root; padded with a copy of it (same parent and token)
+    assert out.tokens[1].tolist() == [20, 21, 22, 23, 30, 30]
+    assert out.parents[1].tolist() == [-1, 0, 0, 1, 0, 0]
+    # every node's path spells its chain prefix, so verification can accept the whole chain
+    mask = tree_attention_mask(out.parents)
+    assert [int(t) for t, m in zip(out.tokens[0], mask[0, 5]) if m] == [10, 11, 13, 7, 8]
+
+
+def test_graft_chains_nothing_new_keeps_the_tree() -> None:
+    tree = _tree([[10, 11, 12]], [[-1, 0, 1]])
+    assert graft_chains(tree, [[11, 12]]) is tree
+    assert graft_chains(tree, [[]]) is tree
+    # a row without new nodes next to one with: padded by copying its last node
+    two = _tree([[10, 11, 12], [5, 6, 7]], [[-1, 0, 1], [-1, 0, 0]])
+    out = graft_chains(two, [[11, 12], [6, 9]])
+    assert out.tokens.tolist() == [[10, 11, 12, 12], [5, 6, 7, 9]]
+    assert out.parents.tolist() == [[-1, 0, 1, 1], [-1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="2 trees"):
+        graft_chains(two, [[1]])
+    with pytest.raises(ValueError, match="besides its root"):
+        graft_chains(_tree([[1]], [[-1]]), [[2]])

@@ -33,6 +33,8 @@ ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--speculative-num-steps": ("speculative_num_steps", int, "draft depth"),
     "--speculative-eagle-topk": ("speculative_eagle_topk", int, "children per draft node"),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "draft tokens verified per step"),
+    "--speculative-ngram-branch": ("speculative_ngram_branch", int,
+                                   "eagle3: add up to this many prompt-lookup tokens to each tree (0 = off)"),
     "--speculative-policy": ("speculative_policy", str, "adaptive or static"),
     "--speculative-disable-batch-threshold": ("speculative_disable_batch_threshold", int,
                                               "no speculation at this batch size or above"),

@@ -31,6 +31,7 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_ngram_branch: int | None = None  # eagle3: prompt-lookup tokens added to each tree (None = auto)
     speculative_policy: str = "adaptive"
     speculative_disable_batch_threshold: int | None = None
     dtype: str = "auto"
@@ -73,6 +74,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "speculative_num_steps", "speculative_eagle_topk",
                      "speculative_num_draft_tokens", "speculative_disable_batch_threshold"):
             positive(name)
+        b = self.speculative_ngram_branch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 32):
+            raise ValueError(f"speculative_ngram_branch must be an integer in [0, 32], got {b!r}")
         if self.speculative_algorithm is not None and self.speculative_algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.speculative_algorithm!r}")
         if self.speculative_policy not in POLICIES:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from augury.models.llama import AttnBatch
+from augury.models.llama import AttnBatch, ExactTree
 
 # Exact tree attention splits a verification into one attention call per key count; past this
 # many calls (large batches of different lengths) it falls back to one masked call.
-MAX_EXACT_GROUPS = 8
+MAX_EXACT_GROUPS = 16
 
 
 def build_attn_batch(
@@ -73,14 +73,14 @@ def build_attn_batch(
         parts.append(ctx_mask[:, None, :].expand(b, q_width, c))
     parts.append(new_mask)
     mask = torch.cat(parts, dim=-1)[:, None]  # [B, 1, Q, C+Q]
-    groups = None
+    exact = None
     if tree_parents is not None and write and all(x == q_width for x in q_lens):
-        groups = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
-    return AttnBatch(slot_mapping, kv_index, mask, causal=False, groups=groups)
+        exact = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
+    return AttnBatch(slot_mapping, kv_index, mask, causal=False, exact=exact)
 
 
 def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens: list[int],
-                 node_slots: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+                 node_slots: torch.Tensor) -> ExactTree | None:
     """Tree attention that computes each node exactly as plain decoding would compute that token.
 
     One masked attention over the whole tree sums each node's keys in another order and
@@ -89,9 +89,7 @@ def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens:
     its ancestors' and its own, in position order: exactly the keys a decode step at that
     position reads. Nodes with the same number of keys share one attention call (the rows of a
     batched call are computed independently, so the result is bit for bit the single-query one).
-
-    Returns ((query rows [G] into the flattened B*Q queries, key slots [G, L]), ...) per key
-    count L, or None when that would take more than MAX_EXACT_GROUPS calls.
+    None when that would take more than MAX_EXACT_GROUPS calls.
     """
     b, q = parents.shape
     par = parents.tolist()
@@ -116,4 +114,8 @@ def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens:
             rows.append(i * q + j)
             slots.append(keys)
     dev = node_slots.device
-    return tuple((torch.tensor(rows, device=dev), torch.stack(slots)) for rows, slots in by_len.values())
+    groups, offset = [], 0
+    for n_keys, (rows, slots) in by_len.items():
+        groups.append((torch.tensor(rows, device=dev), len(rows), n_keys, offset))
+        offset += len(rows) * n_keys
+    return ExactTree(torch.cat([t for _, slots in by_len.values() for t in slots]), tuple(groups))

@@ -17,6 +17,16 @@ from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, 
 
 
 @dataclass
+class ExactTree:
+    """Exact tree attention (see engine.attention.exact_groups): `slots` [S] holds, group after
+    group, the cache slots of exactly the keys each query reads; each group is (query rows [G]
+    of the flattened B*Q queries, G, keys per query L, offset of its G*L slots in `slots`)."""
+
+    slots: torch.Tensor
+    groups: tuple[tuple[torch.Tensor, int, int, int], ...]
+
+
+@dataclass
 class AttnBatch:
     """Where a batch's new tokens go in the paged cache and what each may attend to.
 
@@ -25,16 +35,15 @@ class AttnBatch:
     then its Q new ones (read after the new ones are written); None when no request has
     context, and the keys are the new tokens themselves.
     mask [B, 1, Q, C+Q] bool or None; when None, `causal` selects causal vs full visibility.
-    groups, when set, replace kv_index and mask (exact tree attention, see
-    engine.attention.exact_groups): per key count L, the rows [G] of the flattened B*Q
-    queries and the cache slots [G, L] of exactly the keys each of them reads.
+    exact, when set, replaces kv_index and mask: each query attends to exactly the keys a
+    decode step at its position would read (see ExactTree).
     """
 
     slot_mapping: torch.Tensor
     kv_index: torch.Tensor | None
     mask: torch.Tensor | None
     causal: bool = True
-    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    exact: ExactTree | None = None
 
 
 class Attention(nn.Module):
@@ -61,8 +70,8 @@ class Attention(nn.Module):
         # k_cache/v_cache [S, nkv, hd]: write the new tokens, read the context by slot
         k_cache.index_copy_(0, batch.slot_mapping, k.reshape(b * ql, self.nkv, self.hd))
         v_cache.index_copy_(0, batch.slot_mapping, v.reshape(b * ql, self.nkv, self.hd))
-        if batch.groups is not None:
-            return self.o_proj(self._attend_groups(q, batch.groups, k_cache, v_cache).view(b, ql, -1))
+        if batch.exact is not None:
+            return self.o_proj(self._attend_exact(q, batch.exact, k_cache, v_cache).view(b, ql, -1))
         if batch.kv_index is not None:
             # one flat gather of context + new keys (index_select beats advanced indexing ~5x on CPUs)
             flat, n_keys = batch.kv_index.view(-1), batch.kv_index.shape[1]
@@ -71,14 +80,14 @@ class Attention(nn.Module):
         out = attend(q, k, v, None, None, batch.mask, batch.causal)
         return self.o_proj(out)
 
-    def _attend_groups(self, q, groups, k_cache, v_cache) -> torch.Tensor:
-        """Each query on its own as one decode step: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
+    def _attend_exact(self, q, exact: ExactTree, k_cache, v_cache) -> torch.Tensor:
+        """Each query as one decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
         flat = q.reshape(-1, 1, self.nh, self.hd)
         out = flat.new_empty(flat.shape[0], 1, self.nh * self.hd)
-        for rows, slots in groups:
-            g, n = slots.shape
-            k = k_cache.index_select(0, slots.view(-1)).view(g, n, self.nkv, self.hd)
-            v = v_cache.index_select(0, slots.view(-1)).view(g, n, self.nkv, self.hd)
+        keys, values = k_cache.index_select(0, exact.slots), v_cache.index_select(0, exact.slots)  # one gather each
+        for rows, g, n, off in exact.groups:
+            k = keys[off : off + g * n].view(g, n, self.nkv, self.hd)
+            v = values[off : off + g * n].view(g, n, self.nkv, self.hd)
             out[rows] = attend(flat[rows], k, v, None, None, None, False)
         return out
 

@@ -29,6 +29,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--speculative-num-steps": ("speculative_num_steps", int),
     "--speculative-eagle-topk": ("speculative_eagle_topk", int),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int),
+    "--speculative-ngram-branch": ("speculative_ngram_branch", int),
     "--speculative-policy": ("speculative_policy", str),
     "--speculative-disable-batch-threshold": ("speculative_disable_batch_threshold", int),
 }

@@ -14,7 +14,8 @@ from augury.engine.request import Request
 from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head, default_aux_layers
 from augury.spec.policy import TreeShape
-from augury.spec.tree import DraftTree, select_tree
+from augury.spec.ngram import lookup
+from augury.spec.tree import DraftTree, graft_chains, select_tree
 
 EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
 
@@ -22,8 +23,12 @@ EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int,
+                 ngram_branch: int = 0) -> None:
         self.head = head
+        # prompt lookup adds up to this many tokens to each tree (a branch the head may not see)
+        self.ngram_branch = ngram_branch
+        self.extra_nodes = ngram_branch
         self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
@@ -141,6 +146,8 @@ class Eagle3Proposer:
             n_cand += k * k
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
                            torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
+        if self.ngram_branch:
+            tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
         return tree
 
 

@@ -162,3 +162,45 @@ def select_tree(
     tokens = torch.cat([root_tokens.to(dev, torch.long).view(b, 1), cand_tokens.long().gather(1, keep)], dim=1)
     tree_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), new_par], dim=1)
     return DraftTree(tokens=tokens, parents=tree_parents, depth=depth_from_parents(tree_parents))
+
+
+def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
+    """Add a chain of draft tokens per request (e.g. from prompt lookup) to a batch of trees.
+
+    The chain follows the tree from the root while its tokens are already there (children with
+    the same token), and the rest hangs off the last matched node as new nodes, numbered after
+    the tree's. Rows get the same node count: a row with fewer new nodes is padded with copies
+    of its last node (same parent, same token), which verification can never pick: greedy takes
+    the first child holding the target's choice, and sampling skips a sibling token already
+    rejected. Returns the tree unchanged when no chain adds a node.
+    """
+    if len(chains) != tree.batch_size:
+        raise ValueError(f"graft_chains: {len(chains)} chains for {tree.batch_size} trees")
+    if tree.num_nodes < 2:
+        raise ValueError("graft_chains: a tree needs a draft node besides its root to pad rows with")
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    added: list[tuple[list[int], list[int]]] = []
+    for b, chain in enumerate(chains):
+        node, i = 0, 0
+        kids: dict[tuple[int, int], int] = {(p, t): j for j, (p, t) in enumerate(zip(pars[b], toks[b])) if j > 0}
+        while i < len(chain) and (node, chain[i]) in kids:
+            node = kids[node, chain[i]]
+            i += 1
+        new_t, new_p, n = [], [], len(toks[b])
+        for tok in chain[i:]:
+            new_t.append(tok)
+            new_p.append(node)
+            node = n + len(new_t) - 1
+        added.append((new_t, new_p))
+    width = max(len(t) for t, _ in added)
+    if width == 0:
+        return tree
+    for b, (new_t, new_p) in enumerate(added):
+        last_t, last_p = (new_t[-1], new_p[-1]) if new_t else (toks[b][-1], pars[b][-1])
+        pad = width - len(new_t)
+        toks[b] += new_t + [last_t] * pad
+        pars[b] += new_p + [last_p] * pad
+    dev = tree.tokens.device
+    parents = torch.tensor(pars, dtype=torch.long, device=dev)
+    return DraftTree(tokens=torch.tensor(toks, dtype=torch.long, device=dev), parents=parents,
+                     depth=depth_from_parents(parents))

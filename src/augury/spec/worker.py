@@ -25,6 +25,7 @@ log = logging.getLogger("augury.spec")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
+AUTO_NGRAM_BRANCH = 0  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
@@ -52,7 +53,8 @@ class Speculator:
         """Speculate for this decode batch; False means the caller should decode plainly."""
         shape = self.policy.choose(len(reqs))
         engine.stats.last_draft_tokens = shape.num_drafts if shape else 0
-        if shape is None or not engine.scheduler.try_reserve(reqs, shape.num_draft_tokens):
+        extra = getattr(self.proposer, "extra_nodes", 0)  # nodes a proposer may add beyond the shape's
+        if shape is None or not engine.scheduler.try_reserve(reqs, shape.num_draft_tokens + extra):
             engine.stats.steps_plain += 1
             return False
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
@@ -121,6 +123,7 @@ class DraftPlan:
     disable_batch_threshold: int | None
     head: object | None  # models.eagle3.Eagle3Head for eagle3
     target_cfg: TargetConfig
+    ngram_branch: int = 0  # eagle3: prompt-lookup tokens grafted onto each tree
 
     def kv_bytes_per_token(self) -> int:
         if self.head is None:
@@ -137,7 +140,7 @@ class DraftPlan:
         else:
             from augury.spec.eagle3 import Eagle3Proposer
 
-            proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size)
+            proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size, self.ngram_branch)
         if self.policy == "adaptive":
             from augury.spec.adaptive import AdaptivePolicy
 
@@ -177,4 +180,7 @@ def plan_speculation(config: EngineConfig, model, tcfg: TargetConfig, dtype: tor
 
         head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2)
     log.info("speculation: %s, tree %s, policy %s", algo, shape, config.speculative_policy)
-    return DraftPlan(algo, shape, config.speculative_policy, config.speculative_disable_batch_threshold, head, tcfg)
+    branch = config.speculative_ngram_branch
+    branch = (AUTO_NGRAM_BRANCH if branch is None else branch) if algo == "eagle3" else 0
+    return DraftPlan(algo, shape, config.speculative_policy, config.speculative_disable_batch_threshold, head, tcfg,
+                     branch)
