@@ -6,7 +6,8 @@ import torch
 from augury.models.llama import AttnBatch, ExactTree
 
 # Exact tree attention splits a verification into one attention call per key count; past this
-# many calls (large batches of different lengths) it falls back to one masked call.
+# many calls (a batch of requests of different lengths) it falls back to one masked call. A
+# single request's tree always takes the exact path (one call per depth).
 MAX_EXACT_GROUPS = 16
 
 
@@ -89,7 +90,7 @@ def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens:
     its ancestors' and its own, in position order: exactly the keys a decode step at that
     position reads. Nodes with the same number of keys share one attention call (the rows of a
     batched call are computed independently, so the result is bit for bit the single-query one).
-    None when that would take more than MAX_EXACT_GROUPS calls.
+    None when a batch of several requests would take more than MAX_EXACT_GROUPS calls.
     """
     b, q = parents.shape
     par = parents.tolist()
@@ -98,7 +99,7 @@ def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens:
         for j in range(1, q):
             depth[i][j] = depth[i][par[i][j]] + 1
     lengths = {ctx_lens[i] + depth[i][j] + 1 for i in range(b) for j in range(q)}
-    if len(lengths) > MAX_EXACT_GROUPS:
+    if b > 1 and len(lengths) > MAX_EXACT_GROUPS:
         return None
     by_len: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
     for i in range(b):
