@@ -48,18 +48,21 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 3), (2, 2, 4)], ids=["chain", "tree"])
+@pytest.mark.parametrize("shape", [(2, 1, 3, 0), (2, 2, 4, 0), (2, 2, 4, 3)], ids=["chain", "tree", "tree+ngram"])
 def test_speculative_sampling_matches_target(small, shape):
     target, head = small
     prompt = [3, 5, 1, 6]
     n = 4000
     llm = LLM(str(target), dtype="float32", draft_model=str(head), speculative_algorithm="eagle3",
               speculative_policy="static", speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
-              speculative_num_draft_tokens=shape[2], max_num_seqs=256, log_stats_interval=0)
+              speculative_num_draft_tokens=shape[2], speculative_ngram_branch=shape[3], max_num_seqs=256,
+              log_stats_interval=0)
     params = [SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     stats = llm.engine.stats
     assert stats.num_verify_steps > n // 2 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if shape[3]:  # the lookup branch was there to accept or reject
+        assert stats.num_draft_tokens > stats.num_verify_steps * (shape[2] - 1)
     counts = torch.zeros(V, V, V)
     for o in outs:
         counts[tuple(o.token_ids)] += 1
