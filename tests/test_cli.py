@@ -156,10 +156,11 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     target = make_target(tmp_path / "target", bigram=True)
     head = bigram_head(tmp_path / "head", target)
     report = _bench(tmp_path, "--model", str(target), "--draft-model", str(head), "--output-len", "25",
-                    "--systems", "augury-off,augury-static:4-1-5,augury-adaptive:3-2-5,augury-ngram")
+                    "--systems", "augury-off,augury-static:4-1-5,augury-adaptive:3-2-5,augury-ngram,augury-static:2-2-3+4")
     rows = {(r["batch_size"], r["system"]): r for r in report["results"]}
     assert set(rows) == {(b, s) for b in (1, 3) for s in
-                         ("augury-off", "augury-static:4-1-5", "augury-adaptive:3-2-5", "augury-ngram")}
+                         ("augury-off", "augury-static:4-1-5", "augury-adaptive:3-2-5", "augury-ngram",
+                          "augury-static:2-2-3+4")}
     for (b, system), r in rows.items():
         assert r["greedy_match"] == 1.0, system
         assert r["output_tokens"] == b * 25
@@ -173,6 +174,7 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
 @pytest.mark.parametrize("argv,words", [
     (["bench", "--batch-sizes", "0,2"], ["positive integers"]),
     (["bench", "--systems", "augury,augury-static:5-4", "--out", "{tmp}"], ["STEPS-TOPK-TOKENS", "augury-static:5-4"]),
+    (["bench", "--systems", "augury,augury-static:3-4-8+x", "--out", "{tmp}"], ["+BRANCH", "augury-static:3-4-8+x"]),
     (["bench", "--systems", "augury,augury-ngram:5-1-6", "--out", "{tmp}"], ["unknown system", "augury-ngram:5-1-6"]),
     (["bench", "--systems", "augury,augury-static:5-1-9", "--out", "{tmp}"], ["speculative_num_draft_tokens"]),
     (["bench", "--systems", "transformers,vllm", "--out", "{tmp}"], ["unknown system", "vllm"]),

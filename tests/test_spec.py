@@ -57,7 +57,7 @@ def test_eagle3_greedy_equals_plain(ckpts, plain, shape, batch):
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
               speculative_policy="static", speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
-              speculative_num_draft_tokens=shape[2], max_num_seqs=8, log_stats_interval=0)
+              speculative_num_draft_tokens=shape[2], speculative_ngram_branch=0, max_num_seqs=8, log_stats_interval=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     assert all(o.spec_stats.num_verify_steps > 0 for o in outs if len(o.token_ids) > 1)

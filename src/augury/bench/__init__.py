@@ -176,7 +176,8 @@ SYSTEMS: dict[str, SystemFactory] = {
 
 
 # speculative systems take a tree shape after a colon: augury-static:5-4-12 drafts num_steps=5,
-# topk=4, num_draft_tokens=12 (for the adaptive policy, the largest tree it may choose from)
+# topk=4, num_draft_tokens=12 (for the adaptive policy, the largest tree it may choose from);
+# "+K" after it sets the prompt-lookup branch grafted onto each tree (augury-static:3-4-8+0: none)
 SHAPED = ("augury-static", "augury-adaptive")
 
 
@@ -187,14 +188,17 @@ def system_factory(name: str) -> SystemFactory:
     base, sep, shape = name.partition(":")
     if not sep or base not in SHAPED:
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)} "
-                         f"(and {', '.join(s + ':STEPS-TOPK-TOKENS' for s in SHAPED)})")
+                         f"(and {', '.join(s + ':STEPS-TOPK-TOKENS[+BRANCH]' for s in SHAPED)})")
+    shape, plus, branch = shape.partition("+")
     try:
         steps, topk, tokens = (int(x) for x in shape.split("-"))
+        extra = {"speculative_ngram_branch": int(branch)} if plus else {}
     except ValueError:
-        raise ValueError(f"system {name!r}: the tree shape after ':' must be STEPS-TOPK-TOKENS, e.g. {base}:5-4-12") from None
+        raise ValueError(f"system {name!r}: the tree shape after ':' must be STEPS-TOPK-TOKENS, optionally with "
+                         f"+BRANCH, e.g. {base}:5-4-12 or {base}:3-4-8+6") from None
     policy = base.rpartition("-")[2]
     return _speculative(name, speculative_algorithm="eagle3", speculative_policy=policy, speculative_num_steps=steps,
-                        speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+                        speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens, **extra)
 
 
 def register_system(name: str, factory: SystemFactory) -> None:

@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
-                   f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens)")
+                   f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
+                   f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
     p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
                    help="random token ids, or held-out chat prompts through the model's chat template")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,

@@ -25,7 +25,7 @@ log = logging.getLogger("augury.spec")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
-AUTO_NGRAM_BRANCH = 0  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
+AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 

@@ -1,9 +1,9 @@
 """Acceptance of a trained head measured the way it is used: augury's engine, greedy.
 
 Runs LLM(target, draft_model=head, speculative_algorithm="eagle3", speculative_policy="static")
-with a chain of `num_steps` drafts over held-out prompts, once one request at a time
-(batch 1) and once all together (a batch), and reads the per-request spec_stats and the
-engine's per-position acceptance counters.
+with a chain of `num_steps` drafts (the head alone: no prompt-lookup branch) over held-out
+prompts, once one request at a time (batch 1) and once all together (a batch), and reads the
+per-request spec_stats and the engine's per-position acceptance counters.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def evaluate_head(target: str | Path, head: str | Path, prompts: list[Prompt], n
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
               speculative_num_steps=num_steps, speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1,
-              dtype=dtype, device=device, max_num_seqs=len(prompts), log_stats_interval=0.0)
+              speculative_ngram_branch=0, dtype=dtype, device=device, max_num_seqs=len(prompts), log_stats_interval=0.0)
     result = {}
     for name, batch in (("batch1", False), (f"batch{len(prompts)}", True)):
         from augury.engine.stats import EngineStats
