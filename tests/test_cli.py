@@ -33,7 +33,7 @@ def one_line_error(capsys, code: int, *words: str) -> str:
 def test_generate_prints_the_greedy_text(tiny_checkpoint, make_llm, capsys) -> None:
     folder = tiny_checkpoint("llama", tokenizer=True)
     expected = make_llm(folder).generate("hello world ba", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    assert main(["generate", "--model", str(folder), "--max-tokens", "12", "--dtype", "float32",
+    assert main(["generate", "--raw", "--model", str(folder), "--max-tokens", "12", "--dtype", "float32",
                  "--device", "cpu", "hello world ba"]) == 0
     assert capsys.readouterr().out == expected[0].text + "\n" and expected[0].text
 
@@ -44,10 +44,15 @@ def test_generate_chat(tiny_checkpoint, make_llm, capsys) -> None:
                                      SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].text
     assert main(["generate", "--chat", "--model", str(folder), "--max-tokens", "10", "--device", "cpu", "hello"]) == 0
     assert capsys.readouterr().out == expected + "\n"
+    # a model with a chat template is chatted with by default (an instruct model asked a question
+    # in plain completion mode often ends its answer at once)
+    assert main(["generate", "--model", str(folder), "--max-tokens", "10", "--device", "cpu", "hello"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
 
 
 @pytest.mark.parametrize("argv,words", [
     (["generate", "--bogus", "x"], ["unrecognized arguments: --bogus"]),
+    (["generate", "--chat", "--raw", "x"], ["not allowed with argument"]),
     (["generate", "--max-tokens", "0", "hi"], ["--max-tokens must be a positive integer"]),
     (["generate", "--temperature", "-1", "hi"], ["--temperature"]),
     (["generate", "--speculative-num-steps", "3", "hi"], ["--speculative-eagle-topk", "--speculative-num-draft-tokens"]),

@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=COMMANDS[name], add_help=False)
     gen = sub.add_parser("generate", help=COMMANDS["generate"], description=COMMANDS["generate"] + ".")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", default=None,
+                      help="wrap the prompt as a user message in the chat template (the default when the model has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="continue the prompt text as it is")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     gen.add_argument("--debug", action="store_true", help="info logging, and tracebacks with errors")
     for flag, (dest, kind, default, help_) in SAMPLING_FLAGS.items():
@@ -123,7 +126,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from augury.llm import LLM
 
     llm = LLM(**engine_kwargs)
-    if args.chat:
+    chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))
+    if chat:
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
     else:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
