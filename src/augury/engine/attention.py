@@ -55,6 +55,10 @@ def build_attn_batch(
         ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
         kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
 
+    if tree_parents is not None and write and all(x == q_width for x in q_lens):
+        exact = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
+        if exact is not None:  # no mask needed: every query reads exactly its own keys
+            return AttnBatch(slot_mapping, kv_index, None, causal=False, exact=exact)
     uniform = all(x == q_width for x in q_lens) and all(x == c for x in ctx_lens)
     if tree_mask is None and uniform and (c == 0 or q_width == 1):
         # no padding anywhere: plain causal (no context) or full visibility (one query)
@@ -74,10 +78,7 @@ def build_attn_batch(
         parts.append(ctx_mask[:, None, :].expand(b, q_width, c))
     parts.append(new_mask)
     mask = torch.cat(parts, dim=-1)[:, None]  # [B, 1, Q, C+Q]
-    exact = None
-    if tree_parents is not None and write and all(x == q_width for x in q_lens):
-        exact = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
-    return AttnBatch(slot_mapping, kv_index, mask, causal=False, exact=exact)
+    return AttnBatch(slot_mapping, kv_index, mask, causal=False)
 
 
 def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens: list[int],
@@ -94,26 +95,20 @@ def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens:
     """
     b, q = parents.shape
     par = parents.tolist()
-    depth = [[0] * q for _ in range(b)]
+    paths = [[[j] for j in range(q)] for _ in range(b)]  # node -> its path from the root
     for i in range(b):
-        for j in range(1, q):
-            depth[i][j] = depth[i][par[i][j]] + 1
-    lengths = {ctx_lens[i] + depth[i][j] + 1 for i in range(b) for j in range(q)}
+        for j in range(1, q):  # a parent comes before its children
+            paths[i][j] = paths[i][par[i][j]] + [j]
+    lengths = {ctx_lens[i] + len(path) for i in range(b) for path in paths[i]}
     if b > 1 and len(lengths) > MAX_EXACT_GROUPS:
         return None
     by_len: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
     for i in range(b):
         ctx = kv_index[i, : ctx_lens[i]] if kv_index is not None else node_slots.new_empty(0)
-        for j in range(q):
-            path = []
-            node = j
-            while node >= 0:
-                path.append(node)
-                node = par[i][node]
-            keys = torch.cat([ctx, node_slots[i, path[::-1]]])
-            rows, slots = by_len.setdefault(len(keys), ([], []))
+        for j, path in enumerate(paths[i]):
+            rows, slots = by_len.setdefault(ctx_lens[i] + len(path), ([], []))
             rows.append(i * q + j)
-            slots.append(keys)
+            slots.append(torch.cat([ctx, node_slots[i, path]]))
     dev = node_slots.device
     groups, offset = [], 0
     for n_keys, (rows, slots) in by_len.items():
