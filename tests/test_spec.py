@@ -35,6 +35,13 @@ def _greedy(max_tokens: list[int]) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
 
 
+def _static_eagle3(target, head, shape: tuple[int, int, int], **kwargs) -> LLM:
+    """float32 LLM drafting the same EAGLE-3 tree (num_steps, topk, num_draft_tokens) every step."""
+    return LLM(str(target), dtype="float32", draft_model=str(head), speculative_algorithm="eagle3",
+               speculative_policy="static", speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
+               speculative_num_draft_tokens=shape[2], log_stats_interval=0, **kwargs)
+
+
 def _assert_no_leak(llm: LLM) -> None:
     a = llm.engine.allocator
     assert a.num_free == a.num_usable, f"{a.num_usable - a.num_free} KV blocks leaked"
@@ -55,9 +62,7 @@ def test_eagle3_greedy_equals_plain(ckpts, plain, shape, batch):
     prompts = _prompts(batch, seed=batch)
     params = _greedy([8 + (5 * i) % 23 for i in range(batch)])
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
-              speculative_num_draft_tokens=shape[2], speculative_ngram_branch=0, max_num_seqs=8, log_stats_interval=0)
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], shape, speculative_ngram_branch=0, max_num_seqs=8)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     assert all(o.spec_stats.num_verify_steps > 0 for o in outs if len(o.token_ids) > 1)
@@ -90,9 +95,7 @@ def test_faithful_head_is_accepted(ckpts, shape):
     params = _greedy([30] * 4)
     want = [o.token_ids for o in LLM(target, dtype="float32", speculative_algorithm="none",
                                      log_stats_interval=0).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(target, dtype="float32", draft_model=str(ckpts["bigram_head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
-              speculative_num_draft_tokens=shape[2], log_stats_interval=0)
+    llm = _static_eagle3(target, ckpts["bigram_head"], shape)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     stats = llm.engine.stats
@@ -110,9 +113,7 @@ def test_joins_and_leaves_mid_speculation(ckpts, plain):
     prompts = _prompts(6, seed=11)
     params = _greedy([25, 5, 17, 9, 30, 12])
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
-              speculative_num_draft_tokens=5, log_stats_interval=0)
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], (3, 2, 5))
     eng = llm.engine
     ids, got = [], {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -133,9 +134,7 @@ def test_preemption_under_speculation(ckpts, plain):
     prompts = _prompts(8, seed=5)
     params = _greedy([40] * 8)
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=1,
-              speculative_num_draft_tokens=4, num_kv_blocks=24, block_size=8, log_stats_interval=0)
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], (3, 1, 4), num_kv_blocks=24, block_size=8)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     assert llm.engine.scheduler.num_preemptions > 0
@@ -148,9 +147,7 @@ def test_mixed_sampling_batch_keeps_greedy_rows_exact(ckpts, plain):
     want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     mixed = [g if i % 2 == 0 else SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
              for i, g in enumerate(greedy)]
-    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
-              speculative_num_draft_tokens=6, log_stats_interval=0)
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], (3, 2, 6))
     outs = llm.generate(prompts, mixed, use_tqdm=False)
     for i, o in enumerate(outs):
         if i % 2 == 0:
@@ -270,9 +267,7 @@ def test_ngram_branch_on_eagle3_trees(ckpts, batch):
     prompts = [p + o.token_ids for p, o in zip(starts, plain_bigram.generate(starts, _greedy([60] * batch), use_tqdm=False))]
     params = _greedy([20 + 3 * i for i in range(batch)])
     want = [o.token_ids for o in plain_bigram.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(ckpts["bigram"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-              speculative_policy="static", speculative_num_steps=2, speculative_eagle_topk=2,
-              speculative_num_draft_tokens=4, speculative_ngram_branch=6, max_num_seqs=8, log_stats_interval=0)
+    llm = _static_eagle3(ckpts["bigram"], ckpts["head"], (2, 2, 4), speculative_ngram_branch=6, max_num_seqs=8)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     steps = sum(o.spec_stats.num_verify_steps for o in outs)
