@@ -217,11 +217,14 @@ def test_aux_layer_convention(ckpts):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("ctx", [5, 61])
-def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx):
+def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     """Every node of a verified tree gets bit for bit the hidden state plain decoding computes
     for that token after its path, in bfloat16 too, where one masked attention over the whole
-    tree would sum the keys in another order (and flip near-tie greedy choices)."""
+    tree would sum the keys in another order (and flip near-tie greedy choices). At ctx 61 the
+    nodes' key counts straddle a multiple of KEY_ALIGN: one call per padded width, or (merge)
+    all padded to the widest."""
     from augury.engine.attention import build_attn_batch
     from augury.spec.tree import depth_from_parents, tree_attention_mask
 
@@ -238,7 +241,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx):
 
     def run(table, ids, pos, c, mask=None, tree_parents=None):
         batch = build_attn_batch([table], [c], [ids.shape[1]], ids.shape[1], bs, eng.device, mask,
-                                 tree_parents=tree_parents)
+                                 tree_parents=tree_parents, exact=True, merge_widths=merge)
         with torch.inference_mode():
             return model(ids, pos, batch, eng.kv.k, eng.kv.v)[0][0]
 
@@ -253,6 +256,71 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx):
         for k, node in enumerate(reversed(path)):  # decode the path one token at a time
             want = run(tables[0], tokens[:, node : node + 1], torch.tensor([[ctx + k]]), ctx + k)
         assert torch.equal(got[i], want[0]), f"node {i} (depth {len(path) - 1}) differs from decoding"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_aligned_single_query_attention_ignores_batch_and_extra_padding(dtype):
+    """The torch fact exact attention stands on: a single query over L keys padded with masked
+    keys to a multiple of KEY_ALIGN gets bit for bit the same output alone or as one row of a
+    batched call whose keys are padded further (so a whole tree, and a batch, takes one call)."""
+    import torch.nn.functional as F
+
+    from augury.engine.attention import KEY_ALIGN, WIDTH_FREE_DTYPES, _align
+
+    assert dtype in WIDTH_FREE_DTYPES
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, hd = 6, 2, 32
+    lens = [1, 7, 16, 17, 40, 63, 64, 65, 200, 531, 600]
+    width = _align(max(lens)) + KEY_ALIGN
+    k, v = (torch.randn(len(lens), kv_heads, width, hd, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), heads, 1, hd, generator=g).to(dtype)
+    valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+    batched = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None], enable_gqa=True)
+    for i, n in enumerate(lens):
+        w = _align(n)
+        alone = F.scaled_dot_product_attention(q[i : i + 1], k[i : i + 1, :, :w], v[i : i + 1, :, :w],
+                                               attn_mask=valid[i, :w][None, None, None], enable_gqa=True)
+        assert torch.equal(batched[i], alone[0]), f"{n} keys"
+
+
+def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatch):
+    """Two requests' trees verified in one forward (bfloat16): each node's hidden state is bit
+    for bit the one its request gets verified alone, whether the rows share one attention call
+    or the gather budget splits them into many."""
+    from augury.engine import attention
+    from augury.spec.tree import depth_from_parents, tree_attention_mask
+
+    llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
+    eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
+    g = torch.Generator().manual_seed(11)
+    ctxs = [9, 47]
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, 3, 6]] * 2)
+    n = parents.shape[1]
+    tokens = torch.randint(3, 256, (2, n), generator=g)
+    per = -(-(max(ctxs) + n) // bs)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(2)]
+
+    def run(which, ids, pos, tree=True):
+        c = [ctxs[i] for i in which]
+        batch = attention.build_attn_batch([tables[i] for i in which], c, [ids.shape[1]] * len(which), ids.shape[1],
+                                           bs, eng.device, tree_attention_mask(parents[which]) if tree else None,
+                                           tree_parents=parents[which] if tree else None, exact=True,
+                                           merge_widths=True)
+        with torch.inference_mode():
+            return model(ids, pos, batch, eng.kv.k, eng.kv.v)[0]
+
+    for i, c in enumerate(ctxs):
+        run([i], torch.randint(3, 256, (1, c), generator=g), torch.arange(c)[None], tree=False)
+    pos = torch.tensor(ctxs)[:, None] + depth_from_parents(parents)
+    alone = [run([i], tokens[i : i + 1], pos[i : i + 1])[0] for i in range(2)]
+    together = run([0, 1], tokens, pos)
+    monkeypatch.setattr(attention, "EXACT_CALL_SLOTS", 3 * attention.KEY_ALIGN)
+    assert len(attention.build_attn_batch([tables[1]], [ctxs[1]], [n], n, bs, eng.device, tree_attention_mask(
+        parents[:1]), tree_parents=parents[:1], exact=True, merge_widths=True).exact.groups) == n  # one row a call
+    split = run([0, 1], tokens, pos)
+    for i in range(2):
+        assert torch.equal(together[i], alone[i]), f"request {i} changed by its batch"
+        assert torch.equal(split[i], alone[i]), f"request {i} changed by splitting the calls"
 
 
 @pytest.mark.parametrize("batch", [1, 5])

@@ -5,10 +5,22 @@ import torch
 
 from augury.models.llama import AttnBatch, ExactTree
 
-# Exact tree attention splits a verification into one attention call per key count; past this
-# many calls (a batch of requests of different lengths) it falls back to one masked call. A
-# single request's tree always takes the exact path (one call per depth).
+# Exact attention (the target's forwards): a single-query row reads its keys in position order,
+# padded with masked keys to a multiple of KEY_ALIGN. On CPUs such a row comes out bit for bit the
+# same whatever batch it shares a call with, and (in WIDTH_FREE_DTYPES) whatever wider multiple it
+# is padded to; without the alignment the key count's remainder changes the summation (measured;
+# tests/test_attention_exact.py checks both facts against torch). So a decode step and every node
+# of a verified tree compute the same numbers, and a whole tree takes one attention call.
+KEY_ALIGN = 16
+WIDTH_FREE_DTYPES = (torch.float32, torch.bfloat16)
+# rows x keys gathered per exact attention call (bounds the copy of a large batch's keys)
+EXACT_CALL_SLOTS = 1 << 16
+# without merge_widths, past this many distinct padded widths a batch takes the masked call
 MAX_EXACT_GROUPS = 16
+
+
+def _align(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
 
 
 def build_attn_batch(
@@ -21,6 +33,8 @@ def build_attn_batch(
     tree_mask: torch.Tensor | None = None,
     write: bool = True,
     tree_parents: torch.Tensor | None = None,
+    exact: bool = False,
+    merge_widths: bool = False,
 ) -> AttnBatch:
     """Metadata for B requests, each with ctx_lens[b] cached tokens and q_lens[b] new ones.
 
@@ -28,7 +42,10 @@ def build_attn_batch(
     q_width is the padded query width Q. tree_mask [B, Q, Q] (True = may attend) replaces
     the causal mask among new tokens (speculative verification). With write=False the new
     tokens go to the reserved slot 0 (drafting scratch that must not touch the cache).
-    tree_parents [B, Q] (with tree_mask) asks for exact tree attention, see `exact_groups`.
+    exact=True (the target's forwards) computes a decode step (one new token each), and with
+    tree_parents [B, Q] every node of a verified tree, as an aligned single-query attention over
+    exactly its own keys (see KEY_ALIGN and `exact_rows`); merge_widths lets rows with different
+    key counts share one call (true of WIDTH_FREE_DTYPES).
     """
     b = len(block_tables)
     c = max(ctx_lens)
@@ -55,10 +72,12 @@ def build_attn_batch(
         ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
         kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
 
-    if tree_parents is not None and write and all(x == q_width for x in q_lens):
-        exact = exact_groups(tree_parents, kv_index, ctx_lens, slot_mapping.view(b, q_width))
-        if exact is not None:  # no mask needed: every query reads exactly its own keys
-            return AttnBatch(slot_mapping, kv_index, None, causal=False, exact=exact)
+    if exact and write and c > 0 and all(x == q_width for x in q_lens):
+        parents = tree_parents if tree_parents is not None else (None if q_width > 1 else torch.full((b, 1), -1))
+        if parents is not None:
+            rows = exact_rows(parents, bt, block_size, ctx_lens, slot_mapping.view(b, q_width), merge_widths)
+            if rows is not None:  # no mask needed: every query reads exactly its own keys
+                return AttnBatch(slot_mapping, None, None, causal=False, exact=rows)
     uniform = all(x == q_width for x in q_lens) and all(x == c for x in ctx_lens)
     if tree_mask is None and uniform and (c == 0 or q_width == 1):
         # no padding anywhere: plain causal (no context) or full visibility (one query)
@@ -81,37 +100,61 @@ def build_attn_batch(
     return AttnBatch(slot_mapping, kv_index, mask, causal=False)
 
 
-def exact_groups(parents: torch.Tensor, kv_index: torch.Tensor | None, ctx_lens: list[int],
-                 node_slots: torch.Tensor) -> ExactTree | None:
-    """Tree attention that computes each node exactly as plain decoding would compute that token.
+def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_lens: list[int],
+               node_slots: torch.Tensor, merge_widths: bool) -> ExactTree | None:
+    """Attention that computes each query exactly as plain decoding computes that token.
 
-    One masked attention over the whole tree sums each node's keys in another order and
-    blocking than a decode step over exactly its own keys, so in bfloat16 a near-tie can flip
-    a greedy choice. Here node i of request b attends to its request's context keys followed by
-    its ancestors' and its own, in position order: exactly the keys a decode step at that
-    position reads. Nodes with the same number of keys share one attention call (the rows of a
-    batched call are computed independently, so the result is bit for bit the single-query one).
-    None when a batch of several requests would take more than MAX_EXACT_GROUPS calls.
+    Query j of request b (a tree node with parents [B, Q], -1 for a root; a decode step is a
+    one-node tree) reads its request's context keys, then its ancestors' and its own, in position
+    order: exactly the keys a decode step at its position reads, padded with masked keys to a
+    multiple of KEY_ALIGN. One masked attention over a whole tree would sum each node's keys in
+    another order and blocking, and in bfloat16 a near-tie would flip a greedy choice. Rows with
+    the same padded width share a call (all rows, padded to the widest, with merge_widths).
+    None when a batch would take more than MAX_EXACT_GROUPS calls.
     """
     b, q = parents.shape
     par = parents.tolist()
     paths = [[[j] for j in range(q)] for _ in range(b)]  # node -> its path from the root
     for i in range(b):
         for j in range(1, q):  # a parent comes before its children
-            paths[i][j] = paths[i][par[i][j]] + [j]
-    lengths = {ctx_lens[i] + len(path) for i in range(b) for path in paths[i]}
-    if b > 1 and len(lengths) > MAX_EXACT_GROUPS:
+            if par[i][j] >= 0:
+                paths[i][j] = paths[i][par[i][j]] + [j]
+    n_keys = [ctx_lens[i] + len(path) for i in range(b) for path in paths[i]]
+    widths = [_align(n) for n in n_keys]
+    if merge_widths:
+        widths = [max(widths)] * len(widths)
+    distinct = sorted(set(widths))
+    if len(distinct) > MAX_EXACT_GROUPS:
         return None
-    by_len: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+    dev, w_max, depth = node_slots.device, max(widths), max(len(p) for ps in paths for p in ps)
+    # slot of key k of row r: context position k, else its path's (k - ctx)-th node, else padding
+    ctx = torch.tensor([ctx_lens[i] for i in range(b) for _ in range(q)], device=dev)[:, None]  # [R, 1]
+    keys = torch.arange(w_max, device=dev)[None, :]  # [1, W]
+    in_ctx = keys < ctx
+    pos = torch.minimum(keys, (ctx - 1).clamp(min=0))
+    req = torch.arange(b, device=dev).repeat_interleave(q)[:, None]  # [R, 1]
+    ctx_slot = bt[req, pos // block_size] * block_size + pos % block_size  # [R, W]
+    path_slot = torch.zeros(b * q, depth + 1, dtype=torch.long)  # column `depth`: padding
+    path_len = torch.zeros(b * q, 1, dtype=torch.long)
     for i in range(b):
-        ctx = kv_index[i, : ctx_lens[i]] if kv_index is not None else node_slots.new_empty(0)
         for j, path in enumerate(paths[i]):
-            rows, slots = by_len.setdefault(ctx_lens[i] + len(path), ([], []))
-            rows.append(i * q + j)
-            slots.append(torch.cat([ctx, node_slots[i, path]]))
-    dev = node_slots.device
-    groups, offset = [], 0
-    for n_keys, (rows, slots) in by_len.items():
-        groups.append((torch.tensor(rows, device=dev), len(rows), n_keys, offset))
-        offset += len(rows) * n_keys
-    return ExactTree(torch.cat([t for _, slots in by_len.values() for t in slots]), tuple(groups))
+            path_slot[i * q + j, : len(path)] = node_slots[i, path].cpu()
+            path_len[i * q + j] = len(path)
+    path_slot, path_len = path_slot.to(dev), path_len.to(dev)
+    along = (keys - ctx).clamp(min=0)
+    along = torch.where(along < path_len, along, depth)
+    index = torch.where(in_ctx, ctx_slot, path_slot.gather(1, along.expand(b * q, w_max)))
+    valid = keys < (ctx + path_len)
+    groups = []
+    for w in distinct:
+        members = [r for r, x in enumerate(widths) if x == w]
+        per_call = max(1, EXACT_CALL_SLOTS // w)
+        for lo in range(0, len(members), per_call):
+            chunk = members[lo : lo + per_call]
+            rows: slice | torch.Tensor
+            if chunk == list(range(chunk[0], chunk[-1] + 1)):
+                rows = slice(chunk[0], chunk[-1] + 1)
+            else:
+                rows = torch.tensor(chunk, device=dev)
+            groups.append((rows, index[rows, :w].contiguous().view(-1), valid[rows, :w][:, None, None, :]))
+    return ExactTree(b * q, tuple(groups))

@@ -12,7 +12,7 @@ import uuid
 import torch
 
 from augury.config import EngineConfig
-from augury.engine.attention import build_attn_batch
+from augury.engine.attention import WIDTH_FREE_DTYPES, build_attn_batch
 from augury.engine.detokenizer import IncrementalDetokenizer
 from augury.engine.kv_cache import BlockAllocator, KVCache
 from augury.engine.request import Request, Status
@@ -128,7 +128,8 @@ class Engine:
         """One target forward: request b feeds rows[b] after its num_computed cached tokens.
 
         positions [B, Q] default to consecutive ones; tree_parents (with tree_mask) asks for exact
-        tree attention (each node computed as a decode step would). Returns (hidden [B, Q, H], aux or None).
+        tree attention (each node computed as a decode step would); decode steps are exact too.
+        Returns (hidden [B, Q, H], aux or None).
         """
         q = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), q, dtype=torch.long)
@@ -138,7 +139,8 @@ class Engine:
         if positions is None:
             positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
         batch = build_attn_batch([r.block_table for r in reqs], ctx, [len(r) for r in rows], q,
-                                 self.allocator.block_size, self.device, tree_mask, tree_parents=tree_parents)
+                                 self.allocator.block_size, self.device, tree_mask, tree_parents=tree_parents,
+                                 exact=True, merge_widths=self.dtype in WIDTH_FREE_DTYPES)
         layers = self.speculator.aux_layers if (aux and self.speculator is not None) else ()
         return self.model(ids.to(self.device), positions.clamp(max=self.max_model_len - 1).to(self.device),
                           batch, self.kv.k, self.kv.v, layers)

@@ -18,12 +18,12 @@ from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, 
 
 @dataclass
 class ExactTree:
-    """Exact tree attention (see engine.attention.exact_groups): `slots` [S] holds, group after
-    group, the cache slots of exactly the keys each query reads; each group is (query rows [G]
-    of the flattened B*Q queries, G, keys per query L, offset of its G*L slots in `slots`)."""
+    """Exact attention (see engine.attention.exact_rows) over `rows` queries (the flattened B*Q):
+    each group is one attention call, (its query rows: a slice or an index tensor, the cache slots
+    of each row's W keys flattened [G*W], which of them are real [G, 1, 1, W])."""
 
-    slots: torch.Tensor
-    groups: tuple[tuple[torch.Tensor, int, int, int], ...]
+    rows: int
+    groups: tuple[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
 
 @dataclass
@@ -81,14 +81,19 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _attend_exact(self, q, exact: ExactTree, k_cache, v_cache) -> torch.Tensor:
-        """Each query as one decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
+        """Each query as one aligned decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
         flat = q.reshape(-1, 1, self.nh, self.hd)
-        out = flat.new_empty(flat.shape[0], 1, self.nh * self.hd)
-        keys, values = k_cache.index_select(0, exact.slots), v_cache.index_select(0, exact.slots)  # one gather each
-        for rows, g, n, off in exact.groups:
-            k = keys[off : off + g * n].view(g, n, self.nkv, self.hd)
-            v = values[off : off + g * n].view(g, n, self.nkv, self.hd)
-            out[rows] = attend(flat[rows], k, v, None, None, None, False)
+        out = None
+        for rows, slots, valid in exact.groups:
+            g, w = valid.shape[0], valid.shape[-1]
+            k = k_cache.index_select(0, slots).view(g, w, self.nkv, self.hd)
+            v = v_cache.index_select(0, slots).view(g, w, self.nkv, self.hd)
+            o = attend(flat[rows], k, v, None, None, valid, False)
+            if len(exact.groups) == 1:
+                return o
+            if out is None:
+                out = o.new_empty(exact.rows, 1, o.shape[-1])
+            out[rows] = o
         return out
 
 
