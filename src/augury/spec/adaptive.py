@@ -229,7 +229,7 @@ def _time(fn, reps: int = 2) -> float:
 @torch.inference_mode()
 def profile_target(engine, max_nodes: int, ctx: int = 64) -> list[tuple[int, int, float]]:
     """Target forwards of B requests x n new tokens over `ctx` cached ones, in free cache blocks."""
-    from augury.engine.attention import build_attn_batch
+    from augury.engine.attention import WIDTH_FREE_DTYPES, build_attn_batch
 
     bs = engine.allocator.block_size
     per_req = -(-(ctx + max_nodes) // bs)
@@ -240,7 +240,11 @@ def profile_target(engine, max_nodes: int, ctx: int = 64) -> list[tuple[int, int
         tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(b)]  # free at start-up
         for n in sorted({1, max_nodes}):
             log.debug("profiling the target: batch %d x %d tokens", b, n)
-            batch = build_attn_batch(tables, [ctx] * b, [n] * b, n, bs, engine.device)
+            # as the engine runs them: exact attention, a verification's nodes as a chain
+            chain = (torch.arange(n) - 1).expand(b, n)
+            mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n).to(engine.device)
+            batch = build_attn_batch(tables, [ctx] * b, [n] * b, n, bs, engine.device, mask, tree_parents=chain,
+                                     exact=True, merge_widths=engine.dtype in WIDTH_FREE_DTYPES)
             ids = torch.ones(b, n, dtype=torch.long, device=engine.device)
             pos = (ctx + torch.arange(n)).expand(b, n).to(engine.device)
 
