@@ -19,19 +19,20 @@ from augury.engine.attention import build_attn_batch
 from augury.engine.builder import StartupError
 from augury.engine.kv_cache import KVCache
 from augury.models.loader import load_target
-from conftest import FAMILIES, LLAMA3_ROPE, edit_config, hf_greedy, hf_logits, random_prompts
+from conftest import (FAMILIES, LLAMA3_ROPE, _hf_config, _randomize, edit_config, hf_greedy, hf_logits,
+                      random_prompts)
 
 MAX_TOKENS = 24
 LENGTHS = [3, 11, 6, 17]  # mixed, so the batch is padded and decode contexts differ
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def augury_logits(folder: Path, prompt: list[int]) -> torch.Tensor:
+def augury_logits(folder: Path, prompt: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Our model's forward over one prompt (empty paged cache): float32 logits [len(prompt), V]."""
-    model, cfg = load_target(folder, torch.float32, torch.device("cpu"), max_len=128)
+    model, cfg = load_target(folder, dtype, torch.device("cpu"), max_len=128)
     bs = 16
     blocks = -(-len(prompt) // bs)
-    kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
     n = len(prompt)
     batch = build_attn_batch([list(range(1, blocks + 1))], [0], [n], n, bs, torch.device("cpu"))
     with torch.no_grad():
@@ -62,6 +63,25 @@ def test_logits_match_transformers(family, tiny_checkpoint, hf_model) -> None:
     assert ref.std() > 0.5, "the reference logits are flat; the test would prove little"
     torch.testing.assert_close(ours[-1], ref[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_forward_is_closer_to_float32_than_transformers_bfloat16(tmp_path) -> None:
+    """Our bfloat16 forward keeps the residual stream in float32, so on a 12-layer checkpoint its
+    logits sit closer to the float32 reference than transformers' own bfloat16 forward does."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config("llama")
+    cfg.num_hidden_layers = 12
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
+    _randomize(hf, 5)
+    hf.save_pretrained(str(tmp_path))
+    prompt = random_prompts([60], seed=5)[0]
+    ref = hf_logits(hf, prompt)
+    hf_err = (hf_logits(hf.to(torch.bfloat16), prompt) - ref).abs().mean().item()
+    ours_err = (augury_logits(tmp_path, prompt, torch.bfloat16) - ref).abs().mean().item()
+    assert hf_err > 0, "bfloat16 changed nothing; the test would prove little"
+    assert ours_err < 0.8 * hf_err, f"mean |logit error|: ours {ours_err:.4f}, transformers bfloat16 {hf_err:.4f}"
 
 
 def test_sharded_checkpoint_loads(tiny_checkpoint, hf_model, make_llm) -> None:

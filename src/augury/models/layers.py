@@ -17,7 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # a float32 residual stream under 16-bit weights: normalise and scale in float32, round once
+        return (F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight).to(self.weight.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
