@@ -66,18 +66,19 @@ def build_attn_batch(
         valid_q = torch.zeros_like(valid_q)
     slot_mapping = torch.where(valid_q, slots, 0).reshape(-1)
 
-    kv_index = None
-    if c > 0:
-        ci = torch.arange(c, device=device)
-        ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
-        kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
-
     if exact and write and c > 0 and all(x == q_width for x in q_lens):
         parents = tree_parents if tree_parents is not None else (None if q_width > 1 else torch.full((b, 1), -1))
         if parents is not None:
             rows = exact_rows(parents, bt, block_size, ctx_lens, slot_mapping.view(b, q_width), merge_widths)
             if rows is not None:  # no mask needed: every query reads exactly its own keys
                 return AttnBatch(slot_mapping, None, None, causal=False, exact=rows)
+
+    kv_index = None
+    if c > 0:
+        ci = torch.arange(c, device=device)
+        ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
+        kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
+
     uniform = all(x == q_width for x in q_lens) and all(x == c for x in ctx_lens)
     if tree_mask is None and uniform and (c == 0 or q_width == 1):
         # no padding anywhere: plain causal (no context) or full visibility (one query)
@@ -136,9 +137,10 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
     ctx_slot = bt[req, pos // block_size] * block_size + pos % block_size  # [R, W]
     path_slot = torch.zeros(b * q, depth + 1, dtype=torch.long)  # column `depth`: padding
     path_len = torch.zeros(b * q, 1, dtype=torch.long)
+    node_cpu = node_slots.cpu()  # one copy, not one per node
     for i in range(b):
         for j, path in enumerate(paths[i]):
-            path_slot[i * q + j, : len(path)] = node_slots[i, path].cpu()
+            path_slot[i * q + j, : len(path)] = node_cpu[i, path]
             path_len[i * q + j] = len(path)
     path_slot, path_len = path_slot.to(dev), path_len.to(dev)
     along = (keys - ctx).clamp(min=0)
