@@ -156,7 +156,7 @@ def test_bench_chat_prompts_average_over_prompts(tiny_checkpoint, tmp_path) -> N
 def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     """The speculative systems, a tree shape given in the system name, against plain decoding:
     lossless (greedy output equal to the reference's) and reporting tokens per verification."""
-    from spec_helpers import bigram_head, make_target
+    from speculative_helpers import bigram_head, make_target
 
     target = make_target(tmp_path / "target", bigram=True)
     head = bigram_head(tmp_path / "head", target)

@@ -6,9 +6,9 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.config import EngineConfig
-from augury.spec.adaptive import AdaptivePolicy, LinearCost
-from augury.spec.policy import StaticPolicy, TreeShape
-from spec_helpers import make_target, random_head
+from augury.speculative.adaptive import AdaptivePolicy, LinearCost
+from augury.speculative.policy import StaticPolicy, TreeShape
+from speculative_helpers import make_target, random_head
 
 SHAPE = TreeShape(5, 1, 6)
 
@@ -84,7 +84,7 @@ def test_exploration_remeasures_the_stalest_depth():
     """A depth that looked slow once (say, measured while the machine was busy) is measured
     again: exploring steps go to the depth seen longest ago, and a fresh fast measurement
     brings it back into use."""
-    from augury.spec.adaptive import EXPLORE_EVERY
+    from augury.speculative.adaptive import EXPLORE_EVERY
 
     policy = AdaptivePolicy(TreeShape(4, 1, 5), None, target_cost=LinearCost(0.040, 0.0, 1e-5),
                             draft_cost=LinearCost(0.002, 0, 0), prior=[0.7, 0.5, 0.35, 0.25])

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from augury.spec.tree import (DraftTree, chain_tree, depth_from_parents, graft_chains, select_tree,
+from augury.speculative.tree import (DraftTree, chain_tree, depth_from_parents, graft_chains, select_tree,
                               tree_attention_mask)
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from augury.spec import verifier
-from augury.spec.tree import DraftTree, chain_tree, depth_from_parents
-from augury.spec.verifier import apply_sampling_filters, verify, verify_greedy, verify_sampling
+from augury.speculative import verifier
+from augury.speculative.tree import DraftTree, chain_tree, depth_from_parents
+from augury.speculative.verifier import apply_sampling_filters, verify, verify_greedy, verify_sampling
 
 
 def _tree(tokens: list[list[int]], parents: list[list[int]]) -> DraftTree:

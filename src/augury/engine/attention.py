@@ -9,7 +9,7 @@ from augury.models.llama import AttnBatch, ExactTree
 # padded with masked keys to a multiple of KEY_ALIGN. On CPUs such a row comes out bit for bit the
 # same whatever batch it shares a call with, and (in WIDTH_FREE_DTYPES) whatever wider multiple it
 # is padded to; without the alignment the key count's remainder changes the summation (measured;
-# a test in tests/test_spec.py checks both against torch). So a decode step and every node
+# a test in tests/test_speculative.py checks both against torch). So a decode step and every node
 # of a verified tree compute the same numbers, and a whole tree takes one attention call.
 KEY_ALIGN = 16
 WIDTH_FREE_DTYPES = (torch.float32, torch.bfloat16)

@@ -74,7 +74,7 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         model, tcfg = load_target(folder, dtype, device, max_len)
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
-        from augury.spec.worker import plan_speculation
+        from augury.speculative.worker import plan_speculation
 
         plan = plan_speculation(config, model, tcfg, dtype, device, max_len)
     with stage("KV cache", notify):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.engine.request import Request
-from augury.spec.verifier import apply_sampling_filters
+from augury.sampling import apply_sampling_filters
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from augury.engine.request import Request
-from augury.spec.policy import TreeShape
-from augury.spec.tree import DraftTree, chain_tree
+from augury.speculative.policy import TreeShape
+from augury.speculative.tree import DraftTree, chain_tree
 
 
 def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from augury import LLM, SamplingParams
-from spec_helpers import make_target, random_head
+from speculative_helpers import make_target, random_head
 
 V = 8
 TEMPERATURE = 0.8

@@ -1,7 +1,7 @@
 """How much to speculate this step: a tree shape, or None for plain decoding.
 
 StaticPolicy always drafts the configured tree, unless more requests are running than
-the disable threshold (the seed's rule). AdaptivePolicy (spec/adaptive.py) picks, per
+the disable threshold (the seed's rule). AdaptivePolicy (speculative/adaptive.py) picks, per
 step, the shape that maximises expected tokens per second, capped by the same threshold.
 """
 from __future__ import annotations

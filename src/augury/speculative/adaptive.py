@@ -25,9 +25,9 @@ from collections import deque
 
 import torch
 
-from augury.spec.policy import TreeShape
+from augury.speculative.policy import TreeShape
 
-log = logging.getLogger("augury.spec")
+log = logging.getLogger("augury.speculative")
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 4.0  # prior per-depth acceptance and its pseudo-count
 EMA = 0.05  # weight of each new observation in the running statistics

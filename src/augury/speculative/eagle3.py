@@ -13,9 +13,9 @@ from augury.engine.kv_cache import KVCache, slot_of
 from augury.engine.request import Request
 from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head, default_aux_layers
-from augury.spec.policy import TreeShape
-from augury.spec.ngram import lookup
-from augury.spec.tree import DraftTree, graft_chains, select_tree
+from augury.speculative.policy import TreeShape
+from augury.speculative.ngram import lookup
+from augury.speculative.tree import DraftTree, graft_chains, select_tree
 
 EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from augury import LLM, SamplingParams
-from spec_helpers import bigram_head, make_target, random_head
+from speculative_helpers import bigram_head, make_target, random_head
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     nodes' key counts straddle a multiple of KEY_ALIGN: one call per padded width, or (merge)
     all padded to the widest."""
     from augury.engine.attention import build_attn_batch
-    from augury.spec.tree import depth_from_parents, tree_attention_mask
+    from augury.speculative.tree import depth_from_parents, tree_attention_mask
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
     eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
@@ -288,7 +288,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     for bit the one its request gets verified alone, whether the rows share one attention call
     or the gather budget splits them into many."""
     from augury.engine import attention
-    from augury.spec.tree import depth_from_parents, tree_attention_mask
+    from augury.speculative.tree import depth_from_parents, tree_attention_mask
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
     eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size

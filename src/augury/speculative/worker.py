@@ -17,11 +17,11 @@ from augury.config import EngineConfig
 from augury.engine.kv_cache import slot_of
 from augury.engine.request import Request
 from augury.models.config import TargetConfig
-from augury.spec.policy import StaticPolicy, TreeShape
-from augury.spec.tree import tree_attention_mask
-from augury.spec.verifier import verify
+from augury.speculative.policy import StaticPolicy, TreeShape
+from augury.speculative.tree import tree_attention_mask
+from augury.speculative.verifier import verify
 
-log = logging.getLogger("augury.spec")
+log = logging.getLogger("augury.speculative")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
@@ -134,15 +134,15 @@ class DraftPlan:
 
     def build(self, num_blocks: int, block_size: int) -> Speculator:
         if self.algorithm == "ngram":
-            from augury.spec.ngram import NgramProposer
+            from augury.speculative.ngram import NgramProposer
 
             proposer = NgramProposer()
         else:
-            from augury.spec.eagle3 import Eagle3Proposer
+            from augury.speculative.eagle3 import Eagle3Proposer
 
             proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size, self.ngram_branch)
         if self.policy == "adaptive":
-            from augury.spec.adaptive import AdaptivePolicy
+            from augury.speculative.adaptive import AdaptivePolicy
 
             prior = list(self.head.cfg.acceptance or []) if self.head is not None else None
             policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)

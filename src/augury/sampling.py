@@ -1,0 +1,79 @@
+"""Sampling filters shared by the engine's sampler and speculative verification.
+
+temperature, top-k and top-p turn raw logits into the target's sampling distribution; one
+implementation, so that a token sampled plainly and a draft verified against the target see
+exactly the same probabilities.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _per_row(value, n: int, dtype: torch.dtype, device: torch.device, none_as: float) -> torch.Tensor:
+    """Scalar or length-n sequence/tensor -> [n] tensor; None entries become none_as."""
+    if isinstance(value, torch.Tensor):
+        t = value.to(device=device, dtype=dtype).flatten()
+        return t.expand(n) if t.numel() == 1 else t
+    if value is None or isinstance(value, (int, float)):
+        return torch.full((n,), none_as if value is None else value, dtype=dtype, device=device)
+    return torch.tensor([none_as if x is None else x for x in value], dtype=dtype, device=device)
+
+
+_TOP_P_PREFIX = 1024  # top-p tries the 1024 most probable tokens before sorting a whole row
+
+
+def _nucleus_edge(srt: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """srt [..., K] the K largest probabilities, descending; top_p broadcastable to [..., 1] ->
+    [..., 1] the smallest probability in the nucleus (tokens whose mass strictly above them is
+    < top_p), or -1 where the nucleus may reach past these K entries."""
+    csum = srt.cumsum(dim=-1)
+    keep_n = (csum - srt < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+    edge = srt.gather(-1, keep_n - 1)
+    return torch.where(csum[..., -1:] < top_p, torch.full_like(edge, -1.0), edge)
+
+
+def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=1.0) -> torch.Tensor:
+    """logits [R, ..., V] -> probs [R, ..., V] float32 (rows sum to 1, filtered tokens exactly 0).
+
+    temperature / top_k / top_p: a scalar, or one value per leading row R (list or tensor).
+    Order as in vLLM and SGLang: divide by temperature, keep the top_k logits (ties at the k-th
+    kept), softmax, keep the smallest most-probable set with mass >= top_p (ties at its edge
+    kept), renormalise. top_k None or <= 0 and top_p 1 are exact no-ops. Temperature 0 gives the
+    one-hot argmax (the greedy limit), so a normal sampler may pass greedy rows through too.
+    """
+    v = logits.shape[-1]
+    r = logits.shape[0] if logits.dim() > 1 else 1
+    flat = logits.reshape(r, -1, v).to(torch.float32)                   # [R, X, V]
+    dev = flat.device
+    temp = _per_row(temperature, r, torch.float32, dev, 1.0)
+    kk = _per_row(top_k, r, torch.long, dev, 0)
+    kk = torch.where((kk <= 0) | (kk > v), torch.full_like(kk, v), kk)
+    pp = _per_row(top_p, r, torch.float32, dev, 1.0)
+    greedy = temp <= 0
+    flat = flat / torch.where(greedy, torch.ones_like(temp), temp).view(r, 1, 1)
+    need_k = kk < v
+    if bool(need_k.any()):
+        sub = flat[need_k]                                              # [Rk, X, V]
+        k_sub = kk[need_k]
+        top = sub.topk(int(k_sub.max()), dim=-1).values                  # [Rk, X, kmax] descending
+        kth = top.gather(-1, (k_sub - 1).view(-1, 1, 1).expand(-1, sub.shape[1], 1))
+        flat[need_k] = sub.masked_fill(sub < kth, float("-inf"))
+    probs = torch.softmax(flat, dim=-1)
+    need_p = (pp < 1.0) & ~greedy
+    if bool(need_p.any()):
+        sub = probs[need_p]                                             # [Rp, X, V]
+        top_p = pp[need_p].view(-1, 1, 1)
+        # Only the largest entries can survive: with top-k on every such row its k largest; else a
+        # prefix, with a full sort for the rows whose nucleus reaches past it.
+        kmax = int(kk[need_p].max())
+        cap = kmax if kmax < v else min(v, _TOP_P_PREFIX)
+        edge = _nucleus_edge(sub.topk(cap, dim=-1).values if cap < v else sub.sort(dim=-1, descending=True).values, top_p)
+        far = (edge < 0).squeeze(-1)                                    # [Rp, X]
+        if bool(far.any()):
+            edge[far] = _nucleus_edge(sub[far].sort(dim=-1, descending=True).values, top_p.expand_as(edge)[far])
+        sub = sub.masked_fill(sub < edge, 0.0)
+        probs[need_p] = sub / sub.sum(dim=-1, keepdim=True)
+    if bool(greedy.any()):
+        g = flat[greedy]
+        probs[greedy] = torch.nn.functional.one_hot(g.argmax(dim=-1), v).to(probs.dtype)
+    return probs.reshape(logits.shape)
