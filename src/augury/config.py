@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # name of the environment variable -> config field it fills when the field is not given
@@ -21,6 +21,7 @@ FAULT_INJECT_VAR = "AUGURY_FAULT_INJECT"
 ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,15 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
     log_stats_interval: float = 10.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # weight-only quantisation of the linears: auto = the checkpoint's own (a GGUF's Q4 blocks run
+    # as int4), else dense; none forces dense; int8 per channel; int4 group 32
+    quantization: str = "auto"
+    threads: int | None = None  # torch intra-op threads (None: the default, see engine/builder.py)
 
     @staticmethod
     def create(**kwargs: Any) -> "EngineConfig":
         """Build from keyword arguments (None = not given) plus AUGURY_* variables; validate."""
-        names = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
@@ -72,7 +76,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             positive(name, allow_none=False)
         for name in ("max_model_len", "num_kv_blocks", "speculative_num_steps", "speculative_eagle_topk",
-                     "speculative_num_draft_tokens", "speculative_disable_batch_threshold"):
+                     "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "threads"):
             positive(name)
         b = self.speculative_ngram_branch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 32):
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.speculative_algorithm!r}")
         if self.speculative_policy not in POLICIES:
             raise ValueError(f"speculative_policy must be one of {', '.join(POLICIES)}, got {self.speculative_policy!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
