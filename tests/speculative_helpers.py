@@ -11,11 +11,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 HIDDEN, VOCAB, LAYERS = 64, 256, 6
 
 
-def make_target(path: Path, bigram: bool = False, seed: int = 0, vocab: int = VOCAB) -> Path:
+def make_target(path: Path, bigram: bool = False, seed: int = 0, vocab: int = VOCAB, layers: int = LAYERS) -> Path:
     """A tiny float32 Llama. bigram=True zeroes every o_proj and down_proj, so the residual
     stream stays embed(token) and the next token is a fixed function of the current one."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512,
                       initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
@@ -48,12 +48,13 @@ def write_head(path: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
     return path
 
 
-def random_head(path: Path, vocab: int = VOCAB, draft_vocab: int = 200, seed: int = 1) -> Path:
+def random_head(path: Path, vocab: int = VOCAB, draft_vocab: int = 200, seed: int = 1, aux=(0, 2, 3),
+                fc_inputs: int = 3) -> Path:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
     h, inter, hd = HIDDEN, 96, 16
     t = {
-        "fc.weight": r(h, 3 * h), "midlayer.input_layernorm.weight": torch.ones(h),
+        "fc.weight": r(h, fc_inputs * h), "midlayer.input_layernorm.weight": torch.ones(h),
         "midlayer.hidden_norm.weight": torch.ones(h),
         "midlayer.self_attn.q_proj.weight": r(4 * hd, 2 * h), "midlayer.self_attn.k_proj.weight": r(4 * hd, 2 * h),
         "midlayer.self_attn.v_proj.weight": r(4 * hd, 2 * h), "midlayer.self_attn.o_proj.weight": r(h, 4 * hd),
@@ -63,7 +64,7 @@ def random_head(path: Path, vocab: int = VOCAB, draft_vocab: int = 200, seed: in
         "lm_head.weight": r(draft_vocab, h),
         "d2t": torch.zeros(draft_vocab, dtype=torch.long), "t2d": torch.zeros(vocab, dtype=torch.bool),
     }
-    return write_head(path, _head_config(vocab, draft_vocab, 4, hd, inter, aux=(0, 2, 3)), t)
+    return write_head(path, _head_config(vocab, draft_vocab, 4, hd, inter, aux=aux), t)
 
 
 def bigram_head(path: Path, target_dir: Path, draft_vocab: int = 200, seed: int = 2) -> Path:

@@ -343,3 +343,29 @@ def test_ngram_branch_on_eagle3_trees(ckpts, batch):
     assert accepted / steps > 2  # more than the head's tree depth: the random head alone gets ~0
     assert all(o.spec_stats.num_draft_tokens >= o.spec_stats.num_verify_steps * 3 for o in outs)
     _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 4])
+def test_shallow_target_with_default_aux_layers_decodes_as_plain(tmp_path, layers):
+    """A head without eagle_aux_hidden_state_layer_ids on a target under 5 layers reads three
+    layers (repeating one where there are fewer), so fc [H, 3H] fits and greedy output is plain's."""
+    from augury.models.eagle3 import default_aux_layers
+
+    assert len(default_aux_layers(layers)) == 3
+    target = make_target(tmp_path / "target", layers=layers)
+    head = random_head(tmp_path / "head", aux=None)
+    prompts, params = _prompts(3, seed=layers), _greedy([12, 9, 15])
+    plain = LLM(str(target), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    outs = _static_eagle3(target, head, (3, 2, 6)).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.spec_stats.num_verify_steps > 0 for o in outs)
+
+
+def test_head_whose_fc_does_not_fit_the_aux_layers_is_refused_naming_fc(tmp_path):
+    from augury.stages import StartupError
+
+    target = make_target(tmp_path / "target", layers=2)
+    head = random_head(tmp_path / "head", aux=None, fc_inputs=2)
+    with pytest.raises(StartupError, match=r"draft head.*fc\.weight"):
+        _static_eagle3(target, head, (3, 2, 6))

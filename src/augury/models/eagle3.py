@@ -27,8 +27,16 @@ from augury.models.loader import copy_strict, read_tensors
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
 
+AUX_COUNT = 3  # EAGLE-3 conditions on three target layers: fc.weight is [H, 3 * Ht]
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    return (1, num_layers // 2 - 1, num_layers - 4) if num_layers >= 5 else tuple(range(min(3, num_layers)))
+    """Target layers (0-based) whose OUTPUTS the head reads when its config names none: EAGLE-3's
+    [1, n//2 - 1, n - 4]. Targets under 5 layers take layers 0, 1, 2, repeating the last layer
+    when there are fewer than three (a 2-layer target: 0, 1, 1), so fc always gets 3 features."""
+    if num_layers >= 5:
+        return (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(min(i, num_layers - 1) for i in range(AUX_COUNT))
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,7 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
         )
     if cfg.aux_layer_ids is not None:
         bad = [i for i in cfg.aux_layer_ids if not 0 <= i < target_cfg.num_layers]
-        if len(cfg.aux_layer_ids) != 3 or bad:
+        if len(cfg.aux_layer_ids) != AUX_COUNT or bad:
             raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)} must be 3 layers in [0, {target_cfg.num_layers})")
     tensors = {k.removeprefix("model."): v for k, v in read_tensors(folder).items()}
     embed = target_embed
@@ -189,6 +197,11 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
         targets["fc.bias"] = head.fc.bias
     if embed is not target_embed:
         targets["embed_tokens.weight"] = embed.weight
+    fc = tensors.get("fc.weight")
+    aux = cfg.aux_layer_ids or default_aux_layers(target_cfg.num_layers)
+    if fc is not None and fc.dim() == 2 and fc.shape[1] != len(aux) * target_cfg.hidden_size:
+        raise ValueError(f"{where}: tensor fc.weight has {fc.shape[1]} inputs, but the head reads {len(aux)} target "
+                         f"layers {list(aux)} of hidden size {target_cfg.hidden_size} ({len(aux) * target_cfg.hidden_size})")
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
     copy_strict(targets, tensors, where)
