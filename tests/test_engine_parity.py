@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from augury import SamplingParams
-from augury.engine.attention import build_attn_batch
+from augury.attention import TorchPagedBackend
 from augury.engine.builder import StartupError
 from augury.engine.kv_cache import KVCache
 from augury.models.loader import load_target
@@ -34,9 +34,9 @@ def augury_logits(folder: Path, prompt: list[int], dtype: torch.dtype = torch.fl
     blocks = -(-len(prompt) // bs)
     kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
     n = len(prompt)
-    batch = build_attn_batch([list(range(1, blocks + 1))], [0], [n], n, bs, torch.device("cpu"))
+    attn = TorchPagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
     with torch.no_grad():
-        hidden, _ = model(torch.tensor([prompt]), torch.arange(n)[None], batch, kv.k, kv.v)
+        hidden, _ = model(torch.tensor([prompt]), torch.arange(n)[None], attn)
         return model.logits(hidden[0])
 
 

@@ -225,7 +225,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     tree would sum the keys in another order (and flip near-tie greedy choices). At ctx 61 the
     nodes' key counts straddle a multiple of KEY_ALIGN: one call per padded width, or (merge)
     all padded to the widest."""
-    from augury.engine.attention import build_attn_batch
+    from augury.attention import TorchPagedBackend
     from augury.speculative.tree import depth_from_parents, tree_attention_mask
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
@@ -239,11 +239,15 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     per = -(-(ctx + n) // bs)
     tables = [list(range(1, 1 + per)), list(range(1 + per, 1 + 2 * per))]  # free blocks: nothing runs
 
+    backend = TorchPagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=merge)
+
     def run(table, ids, pos, c, mask=None, tree_parents=None):
-        batch = build_attn_batch([table], [c], [ids.shape[1]], ids.shape[1], bs, eng.device, mask,
-                                 tree_parents=tree_parents, exact=True, merge_widths=merge)
+        if tree_parents is not None:
+            attn = backend.prepare_tree([table], [c], tree_parents, mask)
+        else:
+            attn = backend.prepare_prefill([table], [c], [ids.shape[1]])
         with torch.inference_mode():
-            return model(ids, pos, batch, eng.kv.k, eng.kv.v)[0][0]
+            return model(ids, pos, attn)[0][0]
 
     for table in tables:
         run(table, prompt, torch.arange(ctx)[None], 0)
@@ -265,7 +269,7 @@ def test_aligned_single_query_attention_ignores_batch_and_extra_padding(dtype):
     batched call whose keys are padded further (so a whole tree, and a batch, takes one call)."""
     import torch.nn.functional as F
 
-    from augury.engine.attention import KEY_ALIGN, WIDTH_FREE_DTYPES, _align
+    from augury.attention.torch_paged import KEY_ALIGN, WIDTH_FREE_DTYPES, _align
 
     assert dtype in WIDTH_FREE_DTYPES
     g = torch.Generator().manual_seed(3)
@@ -287,7 +291,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     """Two requests' trees verified in one forward (bfloat16): each node's hidden state is bit
     for bit the one its request gets verified alone, whether the rows share one attention call
     or the gather budget splits them into many."""
-    from augury.engine import attention
+    from augury.attention import torch_paged
     from augury.speculative.tree import depth_from_parents, tree_attention_mask
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
@@ -300,23 +304,25 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     per = -(-(max(ctxs) + n) // bs)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(2)]
 
+    backend = torch_paged.TorchPagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=True)
+
     def run(which, ids, pos, tree=True):
-        c = [ctxs[i] for i in which]
-        batch = attention.build_attn_batch([tables[i] for i in which], c, [ids.shape[1]] * len(which), ids.shape[1],
-                                           bs, eng.device, tree_attention_mask(parents[which]) if tree else None,
-                                           tree_parents=parents[which] if tree else None, exact=True,
-                                           merge_widths=True)
+        c, tbl = [ctxs[i] for i in which], [tables[i] for i in which]
+        if tree:
+            attn = backend.prepare_tree(tbl, c, parents[which], tree_attention_mask(parents[which]))
+        else:
+            attn = backend.prepare_prefill(tbl, c, [ids.shape[1]] * len(which))
         with torch.inference_mode():
-            return model(ids, pos, batch, eng.kv.k, eng.kv.v)[0]
+            return model(ids, pos, attn)[0]
 
     for i, c in enumerate(ctxs):
         run([i], torch.randint(3, 256, (1, c), generator=g), torch.arange(c)[None], tree=False)
     pos = torch.tensor(ctxs)[:, None] + depth_from_parents(parents)
     alone = [run([i], tokens[i : i + 1], pos[i : i + 1])[0] for i in range(2)]
     together = run([0, 1], tokens, pos)
-    monkeypatch.setattr(attention, "EXACT_CALL_SLOTS", 3 * attention.KEY_ALIGN)
-    assert len(attention.build_attn_batch([tables[1]], [ctxs[1]], [n], n, bs, eng.device, tree_attention_mask(
-        parents[:1]), tree_parents=parents[:1], exact=True, merge_widths=True).exact.groups) == n  # one row a call
+    monkeypatch.setattr(torch_paged, "EXACT_CALL_SLOTS", 3 * torch_paged.KEY_ALIGN)
+    one = backend.prepare_tree([tables[1]], [ctxs[1]], parents[:1], tree_attention_mask(parents[:1]))
+    assert len(one.exact.groups) == n  # one row a call
     split = run([0, 1], tokens, pos)
     for i in range(2):
         assert torch.equal(together[i], alone[i]), f"request {i} changed by its batch"

@@ -7,23 +7,29 @@ with a warning instead.
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from augury.config import EngineConfig
+from augury.attention import TorchPagedBackend
+from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
 from augury.engine.kv_cache import BlockAllocator, KVCache
 from augury.engine.stats import EngineStats
 from augury.models.loader import load_target
+from augury.models.tokenizer import eos_ids, load_tokenizer
 from augury.sampling_params import SamplingParams
 from augury.stages import StartupError, stage
 
 log = logging.getLogger("augury.startup")
 __all__ = ["STAGES", "StartupError", "build_engine", "run_warmup"]
+# Positions (and cache slots) a request may use past its context: a draft tree verified at the end
+# of the context computes nodes there, which are never committed. The speculative step drafts
+# only trees that fit (Engine.reserve), so this bounds the rope table and the KV sizing, not depth.
+DRAFT_SLACK = 64
+MIN_CONTEXT = 16  # a smaller context cannot hold even the warm-up request and a reply
 STAGES = ("configuration", "target", "draft head", "KV cache", "CUDA graphs", "warm-up")
 
 
@@ -35,33 +41,17 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     return getattr(torch, name)
 
 
-def load_tokenizer(folder: Path):
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def eos_ids(folder: Path, cfg_eos: tuple[int, ...], tokenizer) -> set[int]:
-    ids = set(cfg_eos)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else [e] if isinstance(e, int) else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = None, warmup: bool = True) -> Engine:
+def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
+                 notify: Callable[[str], None] | None = None, warmup: bool = True) -> Engine:
+    """Build an engine for `config` from the folders `resolved` names (augury/resolve.py makes them
+    from a model name). Without it, config.model and config.draft_model must be folders already."""
     with stage("configuration", notify):
-        from augury.demo import resolve_model
-
+        if resolved is None:
+            resolved = _as_folders(config)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but no CUDA device is available")
-        folder = resolve_model(config.model)
+        folder = resolved.target_dir
         from augury.models.config import TargetConfig
 
         tcfg = TargetConfig.from_folder(folder)
@@ -71,28 +61,32 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
     with stage("target", notify):
-        model, tcfg = load_target(folder, dtype, device, max_len)
+        model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK)
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
         from augury.speculative.worker import plan_speculation
 
-        plan = plan_speculation(config, model, tcfg, dtype, device, max_len)
+        plan = plan_speculation(config, resolved, model, tcfg, dtype, device, max_len)
     with stage("KV cache", notify):
         bs = config.block_size
         per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)
         if plan is not None:
             per_token += plan.kv_bytes_per_token()
-        needed = config.max_num_seqs * -(-(max_len + 64) // bs) + 1
+        # every request may hold max_len tokens plus a draft tree past them (DRAFT_SLACK)
+        needed = config.max_num_seqs * -(-(max_len + DRAFT_SLACK) // bs) + 1
         budget = int(config.kv_cache_memory_gb * 2**30) // (per_token * bs)
         num_blocks = config.num_kv_blocks or max(2, min(needed, budget))
         allocator = BlockAllocator(num_blocks, bs)
-        max_len = min(max_len, allocator.num_usable * bs - 64)
-        if max_len < 16:
-            raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) is too small; raise num_kv_blocks")
+        # a lone request must fit whole, its draft tree included
+        max_len = min(max_len, allocator.num_usable * bs - DRAFT_SLACK)
+        if max_len < MIN_CONTEXT:
+            raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) leaves a context of {max(max_len, 0)} "
+                             f"tokens (under {MIN_CONTEXT}); raise num_kv_blocks or kv_cache_memory_gb")
         kv = KVCache(tcfg.num_layers, num_blocks, bs, tcfg.num_kv_heads, tcfg.head_dim, dtype, device)
-        speculator = plan.build(num_blocks, bs) if plan is not None else None
+        speculator = plan.build(num_blocks, bs, config.max_num_seqs) if plan is not None else None
+        attention = TorchPagedBackend(kv.k, kv.v, bs)
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
-                        max_len, device, speculator)
+                        max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator)
     try:
         # Optional stage: its documented fallback is eager execution, so a failure here warns
         # and start-up goes on with an engine that never depended on graphs.
@@ -105,6 +99,15 @@ def build_engine(config: EngineConfig, notify: Callable[[str], None] | None = No
         with stage("warm-up", notify):
             run_warmup(engine)
     return engine
+
+
+def _as_folders(config: EngineConfig) -> ResolvedModel:
+    """A config whose model (and head) are folders already: no name is resolved here."""
+    folder = Path(config.model).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"model folder {config.model} does not exist; resolve the name first "
+                         "(augury.resolve.resolve(config))")
+    return ResolvedModel(folder, Path(config.draft_model).expanduser() if config.draft_model else None)
 
 
 def run_warmup(engine: Engine) -> None:

@@ -6,25 +6,47 @@ constructor only assigns them, so it cannot exist half-built.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
+from typing import Protocol
 
 import torch
 
+from augury.attention import AttentionBackend
 from augury.config import EngineConfig
-from augury.engine.attention import WIDTH_FREE_DTYPES, build_attn_batch
 from augury.engine.detokenizer import IncrementalDetokenizer
 from augury.engine.kv_cache import BlockAllocator, KVCache
 from augury.engine.request import Request, Status
 from augury.engine.sampler import sample
 from augury.engine.scheduler import ScheduledBatch, Scheduler
 from augury.engine.stats import EngineStats
+from augury.engine.timing import clock
 from augury.models.config import TargetConfig
+from augury.models.layers import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
 from augury.sampling_params import SamplingParams
 
 log = logging.getLogger("augury.engine")
+
+
+class Speculator(Protocol):
+    """What the engine asks of speculation (speculative.worker.Speculator implements it)."""
+
+    needs_aux: bool  # the proposer reads target features (EAGLE-3): forwards return them
+    aux_layers: tuple[int, ...]  # which layers' outputs those features are
+    catch_up_window: int  # most features kept per request for the proposer
+
+    def step(self, host: "Engine", reqs: list[Request]) -> bool:
+        """Speculate for this decode batch; False: the engine decodes plainly instead."""
+        ...
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        """The time a plain decode step of this batch size took."""
+        ...
+
+    def after_warmup(self, host: "Engine") -> None:
+        """Start-up calibration, once the engine has passed its warm-up request."""
+        ...
 
 
 class Engine:
@@ -38,8 +60,10 @@ class Engine:
         tokenizer,
         eos_token_ids: set[int],
         max_model_len: int,
+        max_position: int,
         device: torch.device,
-        speculator=None,
+        attention: AttentionBackend,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -49,9 +73,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.max_position = max_position  # largest position the model computes (drafts may pass max_model_len)
         self.device = device
-        self.dtype = next(model.parameters()).dtype
-        self.speculator = speculator  # spec.worker.Speculator or None
+        self.dtype = kv.k.dtype
+        self.attention = attention
+        self.speculator = speculator
         self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
@@ -116,34 +142,85 @@ class Engine:
         else:
             touched = batch.requests
             if self.speculator is None or not self.speculator.step(self, batch.requests):
-                t0 = time.perf_counter()
+                t0 = clock(self.device)
                 self._run_decode(batch)
                 if self.speculator is not None:
-                    self.speculator.policy.observe_plain(len(batch.requests), time.perf_counter() - t0)
+                    self.speculator.observe_plain(len(batch.requests), clock(self.device) - t0)
         self.stats.maybe_log(self)
         return self._emit(touched)
 
-    def forward(self, reqs: list[Request], rows: list[list[int]], positions: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None, aux: bool = False, tree_parents: torch.Tensor | None = None):
-        """One target forward: request b feeds rows[b] after its num_computed cached tokens.
-
-        positions [B, Q] default to consecutive ones; tree_parents (with tree_mask) asks for exact
-        tree attention (each node computed as a decode step would); decode steps are exact too.
-        Returns (hidden [B, Q, H], aux or None).
-        """
+    # ---------------------------------------------------------- target forwards
+    def run_target(self, reqs: list[Request], rows: list[list[int]], positions: torch.Tensor,
+                   attn: PagedAttention, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward: request b feeds rows[b] at positions[b] ([B, Q], on the CPU), attention as
+        prepared by the backend. Returns (hidden [B, Q, H], aux features [B, Q, A] or None)."""
+        if int(positions.max()) > self.max_position:
+            raise ValueError(f"position {int(positions.max())} is past the largest this engine computes "
+                             f"({self.max_position}): a caller let a request grow past its context")
         q = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), q, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r)
-        ctx = [r.num_computed for r in reqs]
-        if positions is None:
-            positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
-        batch = build_attn_batch([r.block_table for r in reqs], ctx, [len(r) for r in rows], q,
-                                 self.allocator.block_size, self.device, tree_mask, tree_parents=tree_parents,
-                                 exact=True, merge_widths=self.dtype in WIDTH_FREE_DTYPES)
         layers = self.speculator.aux_layers if (aux and self.speculator is not None) else ()
-        return self.model(ids.to(self.device), positions.clamp(max=self.max_model_len - 1).to(self.device),
-                          batch, self.kv.k, self.kv.v, layers)
+        return self.model(ids.to(self.device), positions.to(self.device), attn, layers)
+
+    def verify_forward(self, reqs: list[Request], tokens: torch.Tensor, parents: torch.Tensor,
+                       depth: torch.Tensor, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over one draft tree per request (tokens/parents/depth [B, N]): node i sits at
+        position num_computed + depth[i] and is written to cache position num_computed + i."""
+        from augury.speculative.tree import tree_attention_mask
+
+        ctx = [r.num_computed for r in reqs]
+        attn = self.attention.prepare_tree([r.block_table for r in reqs], ctx, parents.cpu(),
+                                           tree_attention_mask(parents).to(self.device))
+        positions = torch.tensor(ctx)[:, None] + depth.cpu()  # [B, N]
+        return self.run_target(reqs, tokens.tolist(), positions, attn, aux)
+
+    def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None:
+        """The next n tokens of req are in the cache; features [n, A] are their target features."""
+        if features is not None:
+            req.add_pending(features, self.speculator.catch_up_window)
+        req.num_computed += n
+
+    # ------------------------------------------- what speculation may do (speculative.interface.TargetHost)
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> float32 logits [..., V]."""
+        return self.model.logits(hidden)
+
+    def reserve(self, reqs: list[Request], lookahead: int) -> bool:
+        """Cache room for `lookahead` tokens past each request's num_computed, within the positions
+        the model computes; False (nothing preempted, nothing reserved) when it is short."""
+        if any(r.num_computed + lookahead - 1 > self.max_position for r in reqs):
+            return False
+        return self.scheduler.try_reserve(reqs, lookahead)
+
+    def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.kv.copy_slots(src, dst)
+
+    def scratch_forward(self, batch: int, n: int, ctx: int):
+        """A callable running the target as a verification of `batch` chains of n nodes over ctx cached
+        tokens would (exact attention, logits at one node per request), in free cache blocks (what they
+        hold is garbage, and nothing is committed); None if the free blocks do not suffice. For start-up
+        profiling only: call it while no request runs."""
+        per_req = -(-(ctx + n) // self.block_size)
+        if batch * per_req > self.allocator.num_free:
+            return None
+        tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(batch)]  # free at start-up
+        chain = (torch.arange(n) - 1).expand(batch, n)
+        mask = torch.ones(n, n, dtype=torch.bool).tril().expand(batch, n, n).to(self.device)
+        attn = self.attention.prepare_tree(tables, [ctx] * batch, chain, mask)
+        ids = torch.ones(batch, n, dtype=torch.long, device=self.device)
+        pos = (ctx + torch.arange(n)).expand(batch, n).to(self.device)
+
+        def run() -> None:
+            h, _ = self.model(ids, pos, attn, ())
+            self.model.logits(h[:, -1])  # steps compute logits at ~one node per request
+
+        return run
 
     def _wants_aux(self) -> bool:
         return self.speculator is not None and self.speculator.needs_aux
@@ -151,12 +228,14 @@ class Engine:
     def _run_prefill(self, batch: ScheduledBatch) -> list[Request]:
         reqs = batch.requests
         rows = [r.all_token_ids[r.num_computed : end] for r, end in zip(reqs, batch.ends)]
-        hidden, aux = self.forward(reqs, rows, aux=self._wants_aux())
+        ctx = [r.num_computed for r in reqs]
+        attn = self.attention.prepare_prefill([r.block_table for r in reqs], ctx, [len(r) for r in rows])
+        q = max(len(r) for r in rows)
+        positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
+        hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux())
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
         for i, (r, row) in enumerate(zip(reqs, rows)):
-            if aux is not None:
-                r.add_pending(aux[i, : len(row)], self.speculator.catch_up_window)
-            r.num_computed += len(row)
+            self.advance(r, len(row), aux[i, : len(row)] if aux is not None else None)
         if not done:
             return []
         last = torch.tensor([len(rows[i]) - 1 for i in done], device=self.device)
@@ -168,12 +247,13 @@ class Engine:
 
     def _run_decode(self, batch: ScheduledBatch) -> None:
         reqs = batch.requests
-        hidden, aux = self.forward(reqs, [[r.all_token_ids[-1]] for r in reqs], aux=self._wants_aux())
+        ctx = [r.num_computed for r in reqs]
+        attn = self.attention.prepare_decode([r.block_table for r in reqs], ctx)
+        hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
+                                      self._wants_aux())
         logits = self.model.logits(hidden[:, 0])  # [B, V]
         for i, (r, tok) in enumerate(zip(reqs, sample(logits, reqs))):
-            if aux is not None:
-                r.add_pending(aux[i, :1], self.speculator.catch_up_window)
-            r.num_computed += 1
+            self.advance(r, 1, aux[i, :1] if aux is not None else None)
             self.commit(r, [tok])
 
     # ------------------------------------------------------------------ commit
@@ -188,6 +268,8 @@ class Engine:
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
+                if p.stop:  # the stop token's text may also complete a stop string: cut it there
+                    self._hit_stop_string(req)
             elif p.stop and self._hit_stop_string(req):
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -203,12 +285,15 @@ class Engine:
         if detok is None:
             return False
         before = len(detok.text)
-        detok.step(req.output_token_ids)
+        ids = req.output_token_ids
+        # a token ending inside a character leaves its whole characters unreleased: they count too,
+        # so the stop string ends at the token that completes it, never one token later
+        text = detok.text if detok.step(ids) else detok.text + detok.pending(ids)
         longest = max(len(s) for s in req.params.stop)
         window_start = max(0, before - longest + 1)
-        hits = [i for s in req.params.stop if (i := detok.text.find(s, window_start)) >= 0]
+        hits = [i for s in req.params.stop if (i := text.find(s, window_start)) >= 0]
         if hits:
-            detok.text = detok.text[: min(hits)]
+            detok.text = text[: min(hits)]
             req.text_frozen = True  # the stop string and anything after it are never shown
             return True
         return False
@@ -226,12 +311,16 @@ class Engine:
                     detok.step(req.output_token_ids)
                     if req.finish_reason is not None:
                         detok.flush(req.output_token_ids)
-                new_text = detok.text[req.num_emitted_chars :]
-                req.num_emitted_chars = len(detok.text)
+                shown = len(detok.text)
+                if req.finish_reason is None and req.params.stop:  # the start of a stop string may
+                    shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
+                shown = max(shown, req.num_emitted_chars)
+                new_text = detok.text[req.num_emitted_chars : shown]
+                req.num_emitted_chars = shown
             req.num_emitted = len(req.output_token_ids)
             outs.append(RequestOutput(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                token_ids=list(req.output_token_ids), text=detok.text if detok else "",
+                token_ids=list(req.output_token_ids), text=detok.text[: req.num_emitted_chars] if detok else "",
                 finish_reason=req.finish_reason, spec_stats=req.spec_stats,
                 new_token_ids=new_ids, new_text=new_text,
             ))

@@ -28,6 +28,11 @@ class Request:
     features of positions draft_len .. num_computed-1 wait in pending_aux until the next
     drafting pass consumes them (catch-up after steps without speculation), bar the oldest
     draft_skip ones when more than a window piled up.
+
+    Who writes what: the engine appends output tokens (`commit`) and advances num_computed
+    (`advance`); the scheduler owns status and block_table (and `reset_for_recompute` on
+    preemption); the EAGLE-3 proposer owns draft_len and consumes the pending features the engine
+    adds; the engine's emit step owns num_emitted, num_emitted_chars and text_frozen.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -35,6 +40,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
+        self._all = list(self.prompt_token_ids)  # see all_token_ids
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
@@ -54,7 +60,16 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output ids, one list kept up to date as outputs are appended (not rebuilt per
+        call: the hot path reads it every step). Read-only for callers."""
+        n = len(self._all) - len(self.prompt_token_ids)
+        if n < len(self.output_token_ids):
+            self._all.extend(self.output_token_ids[n:])
+        return self._all
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:

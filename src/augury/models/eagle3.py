@@ -200,8 +200,9 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
     fc = tensors.get("fc.weight")
     aux = cfg.aux_layer_ids or default_aux_layers(target_cfg.num_layers)
     if fc is not None and fc.dim() == 2 and fc.shape[1] != len(aux) * target_cfg.hidden_size:
-        raise ValueError(f"{where}: tensor fc.weight has {fc.shape[1]} inputs, but the head reads {len(aux)} target "
-                         f"layers {list(aux)} of hidden size {target_cfg.hidden_size} ({len(aux) * target_cfg.hidden_size})")
+        raise ValueError(f"{where}: tensor fc.weight has shape {list(fc.shape)}, but the head reads {len(aux)} target "
+                         f"layers {list(aux)} of hidden size {target_cfg.hidden_size}: expected "
+                         f"{len(aux) * target_cfg.hidden_size} inputs")
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
     copy_strict(targets, tensors, where)

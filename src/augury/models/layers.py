@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
+
+
+class PagedAttention(Protocol):
+    """One step's attention over a paged KV cache, prepared by an attention backend (see
+    augury.attention) once for all layers: the model calls it from every layer."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Q, H, hd], k/v [B, Q, Hkv, hd] (rope applied): stores layer `layer`'s new keys and
+        values in the cache and returns the attention output [B, Q, H*hd]."""
+        ...
 
 
 def attend(

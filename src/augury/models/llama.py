@@ -6,44 +6,12 @@ and, in the same pass, the raw outputs of chosen layers that EAGLE-3 conditions 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from augury.models.config import TargetConfig
-from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, attend, prefer_transposed
-
-
-@dataclass
-class ExactTree:
-    """Exact attention (see engine.attention.exact_rows) over `rows` queries (the flattened B*Q):
-    each group is one attention call, (its query rows: a slice or an index tensor, the cache slots
-    of each row's W keys flattened [G*W], which of them are real [G, 1, 1, W])."""
-
-    rows: int
-    groups: tuple[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor], ...]
-
-
-@dataclass
-class AttnBatch:
-    """Where a batch's new tokens go in the paged cache and what each may attend to.
-
-    slot_mapping [B*Q]: cache slot of each new token (padding writes to reserved slot 0).
-    kv_index [B, C+Q] or None: cache slots of every key a request sees, its C context tokens
-    then its Q new ones (read after the new ones are written); None when no request has
-    context, and the keys are the new tokens themselves.
-    mask [B, 1, Q, C+Q] bool or None; when None, `causal` selects causal vs full visibility.
-    exact, when set, replaces kv_index and mask: each query attends to exactly the keys a
-    decode step at its position would read (see ExactTree).
-    """
-
-    slot_mapping: torch.Tensor
-    kv_index: torch.Tensor | None
-    mask: torch.Tensor | None
-    causal: bool = True
-    exact: ExactTree | None = None
+from augury.models.layers import PagedAttention, RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed
 
 
 class Attention(nn.Module):
@@ -57,7 +25,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def forward(self, x, cos, sin, attn: PagedAttention, layer: int):
         b, ql, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, Q, (nh + 2 nkv) hd]
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
@@ -67,34 +35,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # k_cache/v_cache [S, nkv, hd]: write the new tokens, read the context by slot
-        k_cache.index_copy_(0, batch.slot_mapping, k.reshape(b * ql, self.nkv, self.hd))
-        v_cache.index_copy_(0, batch.slot_mapping, v.reshape(b * ql, self.nkv, self.hd))
-        if batch.exact is not None:
-            return self.o_proj(self._attend_exact(q, batch.exact, k_cache, v_cache).view(b, ql, -1))
-        if batch.kv_index is not None:
-            # one flat gather of context + new keys (index_select beats advanced indexing ~5x on CPUs)
-            flat, n_keys = batch.kv_index.view(-1), batch.kv_index.shape[1]
-            k = k_cache.index_select(0, flat).view(b, n_keys, self.nkv, self.hd)  # [B, C+Q, nkv, hd]
-            v = v_cache.index_select(0, flat).view(b, n_keys, self.nkv, self.hd)
-        out = attend(q, k, v, None, None, batch.mask, batch.causal)
-        return self.o_proj(out)
-
-    def _attend_exact(self, q, exact: ExactTree, k_cache, v_cache) -> torch.Tensor:
-        """Each query as one aligned decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
-        flat = q.reshape(-1, 1, self.nh, self.hd)
-        out = None
-        for rows, slots, valid in exact.groups:
-            g, w = valid.shape[0], valid.shape[-1]
-            k = k_cache.index_select(0, slots).view(g, w, self.nkv, self.hd)
-            v = v_cache.index_select(0, slots).view(g, w, self.nkv, self.hd)
-            o = attend(flat[rows], k, v, None, None, valid, False)
-            if len(exact.groups) == 1:
-                return o
-            if out is None:
-                out = o.new_empty(exact.rows, 1, o.shape[-1])
-            out[rows] = o
-        return out
+        return self.o_proj(attn(layer, q, k, v))  # the backend writes k, v to the cache and attends
 
 
 class MLP(nn.Module):
@@ -117,9 +58,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, h, cos, sin, batch, k_cache, v_cache):
+    def forward(self, h, cos, sin, attn: PagedAttention, layer: int):
         # h is the float32 residual stream; the norms hand the projections the weights' dtype
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, k_cache, v_cache)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -142,12 +83,10 @@ class TargetModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        batch: AttnBatch,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        attn: PagedAttention,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # input_ids, positions [B, Q]; k_cache/v_cache [layers, S, nkv, hd]
+        # input_ids, positions [B, Q]; attn: this step's attention (an attention backend prepared it)
         h = self.embed_tokens(input_ids)
         dtype = h.dtype
         cos, sin = self.rotary(positions, dtype)
@@ -157,7 +96,7 @@ class TargetModel(nn.Module):
         h = h.float()
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, k_cache[i], v_cache[i])
+            h = layer(h, cos, sin, attn, i)
             if i in aux_layers:
                 captured[i] = h.to(dtype)
         # in the order asked for (a layer may be named twice on very shallow targets)

@@ -25,6 +25,8 @@ from collections import deque
 
 import torch
 
+from augury.engine.timing import time_call
+from augury.speculative.interface import CostSample, Proposer, TargetHost
 from augury.speculative.policy import TreeShape
 
 log = logging.getLogger("augury.speculative")
@@ -192,85 +194,40 @@ class AdaptivePolicy:
         self.observe(batch_size, None, seconds, [])
 
     # ------------------------------------------------------------------ start-up
-    def calibrate(self, engine, speculator) -> None:
+    def calibrate(self, host: TargetHost, proposer: Proposer, max_num_seqs: int) -> None:
         """Profile target and draft forwards on this device and fit the cost models."""
         t0 = time.perf_counter()
         nodes = self.max_shape.num_draft_tokens
-        ctx = max(0, min(64, engine.max_model_len - nodes))  # positions stay inside the model's context
-        self.target_cost = LinearCost.fit(profile_target(engine, nodes, ctx))
-        head = getattr(speculator.proposer, "head", None)
-        if head is not None:
-            self.draft_cost = LinearCost.fit(profile_draft(engine, head, self.max_shape.topk, ctx))
+        ctx = max(0, min(64, host.max_model_len - nodes))  # positions stay inside the model's context
+        grid = _grid(max_num_seqs)
+        self.target_cost = LinearCost.fit(profile_target(host, grid, nodes, ctx))
+        draft = proposer.profile(host, grid, self.max_shape.topk, ctx)
+        if draft:
+            self.draft_cost = LinearCost.fit(draft)
         log.info("adaptive speculation calibrated in %.1fs: target %s, draft %s; depth by batch size %s",
                  time.perf_counter() - t0, vars(self.target_cost), vars(self.draft_cost),
-                 {b: self.best_depth(b) for b in _grid(engine)})
+                 {b: self.best_depth(b) for b in grid})
 
 
 def _bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
-def _grid(engine) -> list[int]:
+def _grid(max_num_seqs: int) -> list[int]:
     # a few batch sizes spanning the range suffice for a three-coefficient fit
-    top = engine.config.max_num_seqs
-    return sorted({b for b in (1, 4, 16, 64, top) if b <= top})
-
-
-def _time(fn, reps: int = 2) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return sorted({b for b in (1, 4, 16, 64, max_num_seqs) if b <= max_num_seqs})
 
 
 @torch.inference_mode()
-def profile_target(engine, max_nodes: int, ctx: int = 64) -> list[tuple[int, int, float]]:
-    """Target forwards of B requests x n new tokens over `ctx` cached ones, in free cache blocks."""
-    from augury.engine.attention import WIDTH_FREE_DTYPES, build_attn_batch
-
-    bs = engine.allocator.block_size
-    per_req = -(-(ctx + max_nodes) // bs)
+def profile_target(host: TargetHost, batch_sizes: list[int], max_nodes: int, ctx: int = 64) -> list[CostSample]:
+    """Target forwards of B requests x n new tokens over `ctx` cached ones, as the engine runs a
+    verification (exact attention, the nodes as a chain), in free cache blocks."""
     samples = []
-    for b in _grid(engine):
-        if b * per_req > engine.allocator.num_free:
-            break
-        tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(b)]  # free at start-up
+    for b in batch_sizes:
         for n in sorted({1, max_nodes}):
+            run = host.scratch_forward(b, n, ctx)
+            if run is None:  # not enough free blocks for this batch size
+                return samples
             log.debug("profiling the target: batch %d x %d tokens", b, n)
-            # as the engine runs them: exact attention, a verification's nodes as a chain
-            chain = (torch.arange(n) - 1).expand(b, n)
-            mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n).to(engine.device)
-            batch = build_attn_batch(tables, [ctx] * b, [n] * b, n, bs, engine.device, mask, tree_parents=chain,
-                                     exact=True, merge_widths=engine.dtype in WIDTH_FREE_DTYPES)
-            ids = torch.ones(b, n, dtype=torch.long, device=engine.device)
-            pos = (ctx + torch.arange(n)).expand(b, n).to(engine.device)
-
-            def run():
-                h, _ = engine.model(ids, pos, batch, engine.kv.k, engine.kv.v, ())
-                engine.model.logits(h[:, -1])  # steps compute logits at ~one node per request
-
-            samples.append((b, n, _time(run)))
-    return samples
-
-
-@torch.inference_mode()
-def profile_draft(engine, head, topk: int, ctx: int = 64) -> list[tuple[int, int, float]]:
-    """Head forward + logits + top-k for B requests x n rows over `ctx` keys."""
-    dev, dtype = engine.device, head.fc.weight.dtype
-    samples = []
-    for b in _grid(engine):
-        for n in sorted({1, max(topk, 4)}):
-            toks = torch.ones(b, n, dtype=torch.long, device=dev)
-            h = torch.zeros(b, n, head.cfg.hidden_size, dtype=dtype, device=dev)
-            pos = torch.full((b, n), ctx, dtype=torch.long, device=dev)
-            kv = torch.zeros(b, ctx, head.nkv, head.hd, dtype=dtype, device=dev)
-
-            def run():
-                out, _, _ = head(toks, h, pos, (kv, kv), None, False)
-                head.logits(out).topk(topk, dim=-1)
-
-            samples.append((b, n, _time(run)))
+            samples.append((b, n, time_call(run, host.device)))
     return samples

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from augury.engine.attention import build_attn_batch
+from augury.attention import masked_metadata
 from augury.engine.kv_cache import KVCache, slot_of
 from augury.engine.request import Request
+from augury.engine.timing import time_call
 from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head, default_aux_layers
-from augury.speculative.policy import TreeShape
+from augury.speculative.interface import CostSample, TargetHost
 from augury.speculative.ngram import lookup
+from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, graft_chains, select_tree
 
 EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
 
 
 class Eagle3Proposer:
+    """The EAGLE-3 head as a speculative.interface.Proposer."""
+
     needs_aux = True
 
     def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int,
@@ -36,17 +40,19 @@ class Eagle3Proposer:
         self.cache = KVCache(1, num_blocks, block_size, head.nkv, head.hd, self.dtype, self.device)
 
     # ------------------------------------------------------------------ catch-up
-    def catch_up(self, engine, reqs: list[Request]) -> torch.Tensor:
+    def catch_up(self, host: TargetHost, reqs: list[Request]) -> torch.Tensor:
         """Feed every pending (h_p, token_{p+1}) pair; returns the head output at each
         request's last committed position [B, H] (the parent state of depth-1 drafts)."""
-        head, cache, bs = self.head, self.cache, engine.allocator.block_size
+        head, cache, bs = self.head, self.cache, host.block_size
         feats, skipped = [], []
         for r in reqs:
             skip, f = r.take_pending()
             if skip:  # positions dropped past the window: the head attends to zeros there
                 skipped.extend(slot_of(r.block_table, p, bs) for p in range(r.draft_len, r.draft_len + skip))
                 r.draft_len += skip
-            assert f.shape[0] == r.num_computed - r.draft_len, "draft catch-up out of step with the target"
+            if f.shape[0] != r.num_computed - r.draft_len:
+                raise RuntimeError(f"draft catch-up out of step with the target: {f.shape[0]} features for "
+                                   f"positions {r.draft_len}..{r.num_computed - 1}")
             feats.append(f)
         if skipped:
             idx = torch.tensor(skipped, device=self.device)
@@ -69,7 +75,7 @@ class Eagle3Proposer:
                 toks[j, :n] = torch.tensor(r.all_token_ids[start + 1 : start + 1 + n])
             ctx = [r.draft_len for r in sub]
             pos = (torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]).to(self.device)
-            batch = build_attn_batch([r.block_table for r in sub], ctx, q_lens, q, bs, self.device)
+            batch = masked_metadata([r.block_table for r in sub], ctx, q_lens, q, bs, self.device)
             out, k, v = self._forward(toks.to(self.device), head.fc(h_in), pos, batch)
             for j, i in enumerate(rows):
                 done[i] += q_lens[j]
@@ -89,12 +95,12 @@ class Eagle3Proposer:
         return out, k, v
 
     # ------------------------------------------------------------------- drafting
-    def propose(self, engine, reqs: list[Request], shape: TreeShape) -> DraftTree:
+    def propose(self, host: TargetHost, reqs: list[Request], shape: TreeShape) -> DraftTree:
         head, dev = self.head, self.device
         b, k, steps = len(reqs), shape.topk, shape.num_steps
-        parent_h = self.catch_up(engine, reqs)  # [B, H]
+        parent_h = self.catch_up(host, reqs)  # [B, H]
         nc = torch.tensor([r.num_computed for r in reqs], device=dev)
-        roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
+        roots = torch.tensor([r.last_token_id for r in reqs])
 
         logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
         top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
@@ -104,8 +110,7 @@ class Eagle3Proposer:
         frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
         if steps > 1:
             # context keys of the head's cache (positions < nc), read once for all steps
-            ctxb = build_attn_batch([r.block_table for r in reqs], nc.tolist(), [0] * b, 1,
-                                    engine.allocator.block_size, dev)
+            ctxb = masked_metadata([r.block_table for r in reqs], nc.tolist(), [0] * b, 1, host.block_size, dev)
             c = ctxb.kv_index.shape[1] - 1
             ctx_k, ctx_v = _gather(self.cache, ctxb.kv_index[:, :c])  # [B, C, nkv, hd]
             ctx_ok = torch.arange(c, device=dev)[None, :] < nc[:, None]  # [B, C]
@@ -149,6 +154,25 @@ class Eagle3Proposer:
         if self.ngram_branch:
             tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
         return tree
+
+    @torch.inference_mode()
+    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
+        """Head forward + logits + top-k for B requests x n rows over `ctx` keys."""
+        head, dev, dtype = self.head, self.device, self.dtype
+        samples = []
+        for b in batch_sizes:
+            for n in sorted({1, max(topk, 4)}):
+                toks = torch.ones(b, n, dtype=torch.long, device=dev)
+                h = torch.zeros(b, n, head.cfg.hidden_size, dtype=dtype, device=dev)
+                pos = torch.full((b, n), ctx, dtype=torch.long, device=dev)
+                kv = torch.zeros(b, ctx, head.nkv, head.hd, dtype=dtype, device=dev)
+
+                def run():
+                    out, _, _ = head(toks, h, pos, (kv, kv), None, False)
+                    head.logits(out).topk(topk, dim=-1)
+
+                samples.append((b, n, time_call(run, dev)))
+        return samples
 
 
 def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.engine.request import Request
+from augury.speculative.interface import CostSample, TargetHost
 from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, chain_tree
 
@@ -22,10 +23,13 @@ def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[in
 
 
 class NgramProposer:
+    """Prompt lookup as a speculative.interface.Proposer."""
+
     needs_aux = False
     aux_layers: tuple[int, ...] = ()
+    extra_nodes = 0
 
-    def propose(self, engine, reqs: list[Request], shape: TreeShape) -> DraftTree:
+    def propose(self, host: TargetHost, reqs: list[Request], shape: TreeShape) -> DraftTree:
         k = shape.num_drafts
         drafts = []
         for r in reqs:
@@ -33,5 +37,8 @@ class NgramProposer:
             d = lookup(toks, k)
             # every row of a batch needs k drafts; pad with the last token (cheaply rejected)
             drafts.append(d + [d[-1] if d else toks[-1]] * (k - len(d)))
-        roots = torch.tensor([r.all_token_ids[-1] for r in reqs])
+        roots = torch.tensor([r.last_token_id for r in reqs])
         return chain_tree(roots, torch.tensor(drafts, dtype=torch.long).view(len(reqs), k))
+
+    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
+        return []  # a lookup in Python: next to nothing beside a target forward

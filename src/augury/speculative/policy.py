@@ -37,3 +37,6 @@ class StaticPolicy:
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """Feedback after a plain decode step (nothing to learn here)."""
+
+    def calibrate(self, host, proposer, max_num_seqs: int) -> None:
+        """Start-up profiling (nothing to measure for a fixed tree)."""

@@ -8,7 +8,6 @@ ever attended to.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +15,12 @@ import torch
 from augury.config import EngineConfig
 from augury.engine.kv_cache import slot_of
 from augury.engine.request import Request
+from augury.engine.timing import clock
 from augury.models.config import TargetConfig
+from augury.models.eagle3 import Eagle3Head
+from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, TreeShape
-from augury.speculative.tree import tree_attention_mask
+from augury.speculative.tree import DraftTree
 from augury.speculative.verifier import verify
 
 log = logging.getLogger("augury.speculative")
@@ -30,81 +32,75 @@ LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes 
 
 
 class Speculator:
-    """Owns a proposer and a policy; `step` runs one speculative decode step for a batch."""
+    """Owns a proposer and a policy; `step` runs one speculative decode step for a batch
+    (the engine's `Speculator` protocol), talking to the engine only as a TargetHost."""
 
-    def __init__(self, proposer, policy, catch_up_window: int = 128) -> None:
+    def __init__(self, proposer: Proposer, policy: SpeculationPolicy, max_num_seqs: int,
+                 catch_up_window: int = 128) -> None:
         self.proposer = proposer
         self.policy = policy
+        self.max_num_seqs = max_num_seqs
         self.catch_up_window = catch_up_window  # most target features kept per request for the head
+        self.needs_aux = proposer.needs_aux
+        self.aux_layers = proposer.aux_layers
 
-    @property
-    def needs_aux(self) -> bool:
-        return self.proposer.needs_aux
+    def after_warmup(self, host: TargetHost) -> None:
+        self.policy.calibrate(host, self.proposer, self.max_num_seqs)
 
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return self.proposer.aux_layers
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        self.policy.observe_plain(batch_size, seconds)
 
-    def after_warmup(self, engine) -> None:
-        if hasattr(self.policy, "calibrate"):
-            self.policy.calibrate(engine, self)
-
-    def step(self, engine, reqs: list[Request]) -> bool:
+    def step(self, host: TargetHost, reqs: list[Request]) -> bool:
         """Speculate for this decode batch; False means the caller should decode plainly."""
         shape = self.policy.choose(len(reqs))
-        engine.stats.last_draft_tokens = shape.num_drafts if shape else 0
-        extra = getattr(self.proposer, "extra_nodes", 0)  # nodes a proposer may add beyond the shape's
-        if shape is None or not engine.scheduler.try_reserve(reqs, shape.num_draft_tokens + extra):
-            engine.stats.steps_plain += 1
+        host.stats.last_draft_tokens = shape.num_drafts if shape else 0
+        # nodes a proposer may add beyond the shape's: the reservation covers them
+        if shape is None or not host.reserve(reqs, shape.num_draft_tokens + self.proposer.extra_nodes):
+            host.stats.steps_plain += 1
             return False
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
         # itself; its time would make speculation look dear, so the policy only learns its acceptance
         backlog = max((r.num_computed - r.draft_len for r in reqs), default=0) if self.needs_aux else 0
-        t0 = time.perf_counter()
-        tree = self.proposer.propose(engine, reqs, shape)
-        accepted = self.verify_and_commit(engine, reqs, tree)
-        self.policy.observe(len(reqs), shape, time.perf_counter() - t0, accepted,
+        t0 = clock(host.device)
+        tree = self.proposer.propose(host, reqs, shape)
+        accepted = self.verify_and_commit(host, reqs, tree)
+        self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
                             timed=backlog <= shape.num_steps + 1)
-        engine.stats.steps_spec += 1
+        host.stats.steps_spec += 1
         return True
 
-    def verify_and_commit(self, engine, reqs: list[Request], tree) -> list[int]:
-        dev = engine.device
+    def verify_and_commit(self, host: TargetHost, reqs: list[Request], tree: DraftTree) -> list[int]:
+        dev = host.device
         n = tree.num_nodes
-        mask = tree_attention_mask(tree.parents).to(dev)  # [B, N, N]
-        ctx = torch.tensor([r.num_computed for r in reqs])
-        positions = ctx[:, None] + tree.depth.cpu()  # [B, N]: the tree sits at seq_len + depth
-        hidden, aux = engine.forward(reqs, tree.tokens.tolist(), positions, mask, aux=self.needs_aux,
-                                     tree_parents=tree.parents.cpu())
+        hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux)
         # Small batches: every node's logits in one product, reading the output layer once (it is
         # memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
         if hidden.shape[0] * n <= LOGITS_AT_ONCE:
-            logits_at = engine.model.logits(hidden)  # [B, N, V]
+            logits_at = host.target_logits(hidden)  # [B, N, V]
         else:
-            logits_at = lambda bs, ns: engine.model.logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
+            logits_at = lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
         ps = [r.params for r in reqs]
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                      [r.generator for r in reqs])
         committed = res.committed_tokens(tree)
         depths = tree.depth.max(dim=1).values.tolist()  # [B] deepest draft offered per request
         src, dst = [], []
-        accepted = []
-        for b, (r, path) in enumerate(zip(reqs, res.accepted_nodes)):
-            base = r.block_table
+        bs = host.block_size
+        for r, path in zip(reqs, res.accepted_nodes):
             for j, node in enumerate(path):
                 if node != j:  # compact the accepted path into consecutive slots
-                    src.append(slot_of(base, r.num_computed + node, engine.allocator.block_size))
-                    dst.append(slot_of(base, r.num_computed + j, engine.allocator.block_size))
+                    src.append(slot_of(r.block_table, r.num_computed + node, bs))
+                    dst.append(slot_of(r.block_table, r.num_computed + j, bs))
+        if src:
+            host.copy_kv_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        accepted = []
+        for b, (r, toks, path) in enumerate(zip(reqs, committed, res.accepted_nodes)):
             m = len(path) - 1
             accepted.append(m)
-            if aux is not None:
-                r.add_pending(aux[b, path], self.catch_up_window)  # features of the committed positions
-            engine.stats.record_verification(depths[b], m, n - 1)  # the verifier's verdict
-        if src:
-            engine.kv.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        for r, toks, m in zip(reqs, committed, accepted):
-            r.num_computed += len(toks)  # the root and the accepted drafts are now in the cache
-            kept = engine.commit(r, toks)  # fewer than len(toks) when a stop condition cut it short
+            host.stats.record_verification(depths[b], m, n - 1)  # the verifier's verdict
+            # the root and the accepted drafts are now in the cache, with their target features
+            host.advance(r, len(toks), aux[b, path] if aux is not None else None)
+            kept = host.commit(r, toks)  # fewer than len(toks) when a stop condition cut it short
             # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
             r.spec_stats.num_verify_steps += 1
             r.spec_stats.num_draft_tokens += n - 1
@@ -121,7 +117,7 @@ class DraftPlan:
     shape: TreeShape
     policy: str
     disable_batch_threshold: int | None
-    head: object | None  # models.eagle3.Eagle3Head for eagle3
+    head: Eagle3Head | None  # eagle3 only
     target_cfg: TargetConfig
     ngram_branch: int = 0  # eagle3: prompt-lookup tokens grafted onto each tree
 
@@ -132,7 +128,7 @@ class DraftPlan:
 
         return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.fc.weight.dtype)
 
-    def build(self, num_blocks: int, block_size: int) -> Speculator:
+    def build(self, num_blocks: int, block_size: int, max_num_seqs: int) -> Speculator:
         if self.algorithm == "ngram":
             from augury.speculative.ngram import NgramProposer
 
@@ -148,18 +144,15 @@ class DraftPlan:
             policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
-        return Speculator(proposer, policy)
+        return Speculator(proposer, policy, max_num_seqs)
 
 
-def plan_speculation(config: EngineConfig, model, tcfg: TargetConfig, dtype: torch.dtype, device: torch.device,
-                     max_len: int) -> DraftPlan | None:
-    """Resolve the algorithm and tree, and load the head (strictly); None = no speculation."""
+def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, dtype: torch.dtype,
+                     device: torch.device, max_len: int) -> DraftPlan | None:
+    """Pick the algorithm and tree, and load the head (strictly) from `resolved.draft_dir` (a
+    config.ResolvedModel); None = no speculation. Without an algorithm configured, a head means eagle3."""
     algo = config.speculative_algorithm
-    draft = config.draft_model
-    if draft is None and config.model == "demo" and algo in (None, "eagle3"):
-        from augury.heads import demo_head_dir
-
-        draft = demo_head_dir()
+    draft = resolved.draft_dir
     if algo is None:
         algo = "eagle3" if draft is not None else "none"
     if algo == "none":
@@ -175,7 +168,7 @@ def plan_speculation(config: EngineConfig, model, tcfg: TargetConfig, dtype: tor
             raise ValueError("the n-gram proposer drafts chains: speculative_eagle_topk must be 1")
     else:
         if draft is None:
-            raise ValueError("speculative_algorithm eagle3 needs --speculative-draft-model-path")
+            raise ValueError("speculative_algorithm eagle3 needs an EAGLE-3 head (draft_model)")
         from augury.models.eagle3 import load_eagle3
 
         head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2)

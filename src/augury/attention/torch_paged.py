@@ -1,0 +1,270 @@
+"""The exact paged-attention backend in plain torch (the CPU reference, and any torch device).
+
+Metadata is built once per step as index tensors: where each new token's K/V go (slot
+mapping), which cached slots each query reads, and a mask where one is needed. Target decode
+steps and verified tree nodes take *exact* attention (see `exact_rows`); prefill chunks and
+the draft head take one masked attention over [context, new tokens].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from augury.models.layers import attend
+
+# Exact attention (the target's forwards): a single-query row reads its keys in position order,
+# padded with masked keys to a multiple of KEY_ALIGN. On CPUs such a row comes out bit for bit the
+# same whatever batch it shares a call with, and (in WIDTH_FREE_DTYPES) whatever wider multiple it
+# is padded to; without the alignment the key count's remainder changes the summation (measured;
+# a test in tests/test_speculative.py checks both against torch). So a decode step and every node
+# of a verified tree compute the same numbers, and a whole tree takes one attention call.
+KEY_ALIGN = 16
+WIDTH_FREE_DTYPES = (torch.float32, torch.bfloat16)
+# rows x keys gathered per exact attention call (bounds the copy of a large batch's keys)
+EXACT_CALL_SLOTS = 1 << 16
+# without merge_widths, past this many distinct padded widths a batch takes the masked call
+MAX_EXACT_GROUPS = 16
+
+
+def _align(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
+
+
+@dataclass
+class ExactRows:
+    """Exact attention over `rows` queries (the flattened B*Q): each group is one attention call,
+    (its query rows: a slice or an index tensor, the cache slots of each row's W keys flattened
+    [G*W], which of them are real [G, 1, 1, W])."""
+
+    rows: int
+    groups: tuple[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
+@dataclass
+class MaskedMetadata:
+    """Where a batch's new tokens go in the paged cache and what each may attend to.
+
+    slot_mapping [B*Q]: cache slot of each new token (padding writes to reserved slot 0).
+    kv_index [B, C+Q] or None: cache slots of every key a request sees, its C context tokens
+    then its Q new ones (read after the new ones are written); None when no request has
+    context, and the keys are the new tokens themselves.
+    mask [B, 1, Q, C+Q] bool or None; when None, `causal` selects causal vs full visibility.
+    """
+
+    slot_mapping: torch.Tensor
+    kv_index: torch.Tensor | None
+    mask: torch.Tensor | None
+    causal: bool = True
+
+
+def _block_table(block_tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] block ids, zero-padded (block 0 is the reserved padding block)."""
+    bt = torch.zeros(len(block_tables), width, dtype=torch.long)
+    for i, table in enumerate(block_tables):
+        n = min(len(table), width)
+        if n:
+            bt[i, :n] = torch.tensor(table[:n])
+    return bt.to(device)
+
+
+def _new_slots(bt: torch.Tensor, ctx_lens: list[int], q_lens: list[int], q_width: int, block_size: int
+               ) -> torch.Tensor:
+    """[B*Q] cache slot of each new token (token i of request b at position ctx_lens[b] + i); padding
+    queries write to slot 0."""
+    dev = bt.device
+    qi = torch.arange(q_width, device=dev)
+    new_pos = torch.tensor(ctx_lens, device=dev)[:, None] + qi  # [B, Q]
+    slots = bt.gather(1, new_pos // block_size) * block_size + new_pos % block_size
+    valid_q = qi[None, :] < torch.tensor(q_lens, device=dev)[:, None]  # [B, Q]
+    return torch.where(valid_q, slots, 0).reshape(-1)
+
+
+def _width(ctx_lens: list[int], q_width: int, block_size: int) -> int:
+    return -(-(max(ctx_lens) + q_width) // block_size)
+
+
+def masked_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int], q_width: int,
+                    block_size: int, device: torch.device, tree_mask: torch.Tensor | None = None) -> MaskedMetadata:
+    """Metadata for one masked attention: B requests, each with ctx_lens[b] cached tokens and q_lens[b]
+    new ones (padded to q_width), causal among the new ones unless tree_mask [B, Q, Q] (True = may
+    attend) says otherwise."""
+    b, c = len(block_tables), max(ctx_lens)
+    bt = _block_table(block_tables, _width(ctx_lens, q_width, block_size), device)
+    slot_mapping = _new_slots(bt, ctx_lens, q_lens, q_width, block_size)
+    kv_index = None
+    if c > 0:
+        ci = torch.arange(c, device=device)
+        ctx_index = bt.gather(1, (ci // block_size).expand(b, c)) * block_size + ci % block_size  # [B, C]
+        kv_index = torch.cat([ctx_index, slot_mapping.view(b, q_width)], dim=1)  # [B, C+Q]
+    uniform = all(x == q_width for x in q_lens) and all(x == c for x in ctx_lens)
+    if tree_mask is None and uniform and (c == 0 or q_width == 1):
+        # no padding anywhere: plain causal (no context) or full visibility (one query)
+        return MaskedMetadata(slot_mapping, kv_index, None, causal=(c == 0))
+    qi = torch.arange(q_width, device=device)
+    if tree_mask is None:
+        new_mask = torch.ones(q_width, q_width, dtype=torch.bool, device=device).tril().expand(b, q_width, q_width)
+    else:
+        new_mask = tree_mask
+    key_valid = qi[None, :] < torch.tensor(q_lens, device=device)[:, None]  # [B, Q] new keys that are real
+    new_mask = new_mask & key_valid[:, None, :]
+    # a padded query row must still see one key (softmax of nothing is NaN): itself
+    new_mask = new_mask | torch.eye(q_width, dtype=torch.bool, device=device)[None]
+    parts = []
+    if c > 0:
+        ctx_mask = torch.arange(c, device=device)[None, :] < torch.tensor(ctx_lens, device=device)[:, None]
+        parts.append(ctx_mask[:, None, :].expand(b, q_width, c))
+    parts.append(new_mask)
+    mask = torch.cat(parts, dim=-1)[:, None]  # [B, 1, Q, C+Q]
+    return MaskedMetadata(slot_mapping, kv_index, mask, causal=False)
+
+
+def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_lens: list[int],
+               node_slots: torch.Tensor, merge_widths: bool) -> ExactRows | None:
+    """Attention that computes each query exactly as plain decoding computes that token.
+
+    Query j of request b (a tree node with parents [B, Q], -1 for a root; a decode step is a
+    one-node tree) reads its request's context keys, then its ancestors' and its own, in position
+    order: exactly the keys a decode step at its position reads, padded with masked keys to a
+    multiple of KEY_ALIGN. One masked attention over a whole tree would sum each node's keys in
+    another order and blocking, and in bfloat16 a near-tie would flip a greedy choice. Rows with
+    the same padded width share a call (all rows, padded to the widest, with merge_widths).
+    None when a batch would take more than MAX_EXACT_GROUPS calls.
+    """
+    b, q = parents.shape
+    par = parents.tolist()
+    paths = [[[j] for j in range(q)] for _ in range(b)]  # node -> its path from the root
+    for i in range(b):
+        for j in range(1, q):  # a parent comes before its children
+            if par[i][j] >= 0:
+                paths[i][j] = paths[i][par[i][j]] + [j]
+    n_keys = [ctx_lens[i] + len(path) for i in range(b) for path in paths[i]]
+    widths = [_align(n) for n in n_keys]
+    if merge_widths:
+        widths = [max(widths)] * len(widths)
+    distinct = sorted(set(widths))
+    if len(distinct) > MAX_EXACT_GROUPS:
+        return None
+    dev, w_max, depth = node_slots.device, max(widths), max(len(p) for ps in paths for p in ps)
+    # slot of key k of row r: context position k, else its path's (k - ctx)-th node, else padding
+    ctx = torch.tensor([ctx_lens[i] for i in range(b) for _ in range(q)], device=dev)[:, None]  # [R, 1]
+    keys = torch.arange(w_max, device=dev)[None, :]  # [1, W]
+    in_ctx = keys < ctx
+    pos = torch.minimum(keys, (ctx - 1).clamp(min=0))
+    req = torch.arange(b, device=dev).repeat_interleave(q)[:, None]  # [R, 1]
+    ctx_slot = bt[req, pos // block_size] * block_size + pos % block_size  # [R, W]
+    path_slot = torch.zeros(b * q, depth + 1, dtype=torch.long)  # column `depth`: padding
+    path_len = torch.zeros(b * q, 1, dtype=torch.long)
+    node_cpu = node_slots.cpu()  # one copy, not one per node
+    for i in range(b):
+        for j, path in enumerate(paths[i]):
+            path_slot[i * q + j, : len(path)] = node_cpu[i, path]
+            path_len[i * q + j] = len(path)
+    path_slot, path_len = path_slot.to(dev), path_len.to(dev)
+    along = (keys - ctx).clamp(min=0)
+    along = torch.where(along < path_len, along, depth)
+    index = torch.where(in_ctx, ctx_slot, path_slot.gather(1, along.expand(b * q, w_max)))
+    valid = keys < (ctx + path_len)
+    groups = []
+    for w in distinct:
+        members = [r for r, x in enumerate(widths) if x == w]
+        per_call = max(1, EXACT_CALL_SLOTS // w)
+        for lo in range(0, len(members), per_call):
+            chunk = members[lo : lo + per_call]
+            rows: slice | torch.Tensor
+            if chunk == list(range(chunk[0], chunk[-1] + 1)):
+                rows = slice(chunk[0], chunk[-1] + 1)
+            else:
+                rows = torch.tensor(chunk, device=dev)
+            groups.append((rows, index[rows, :w].contiguous().view(-1), valid[rows, :w][:, None, None, :]))
+    return ExactRows(b * q, tuple(groups))
+
+
+class TorchStepAttention:
+    """One step's attention (models.layers.PagedAttention): layer i writes its new keys and values
+    into the cache at the step's slots, then attends exactly (ExactRows) or through one mask."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 masked: MaskedMetadata | None, exact: ExactRows | None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [layers, slots, nkv, hd]
+        self.slot_mapping = slot_mapping
+        self.masked = masked
+        self.exact = exact
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B, Q, nh, hd]; k, v [B, Q, nkv, hd] -> [B, Q, nh*hd]
+        b, ql, nkv, hd = k.shape
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache.index_copy_(0, self.slot_mapping, k.reshape(b * ql, nkv, hd))
+        v_cache.index_copy_(0, self.slot_mapping, v.reshape(b * ql, nkv, hd))
+        if self.exact is not None:
+            return self._attend_exact(q, k_cache, v_cache).view(b, ql, -1)
+        meta = self.masked
+        if meta.kv_index is not None:
+            # one flat gather of context + new keys (index_select beats advanced indexing ~5x on CPUs)
+            flat, n_keys = meta.kv_index.view(-1), meta.kv_index.shape[1]
+            k = k_cache.index_select(0, flat).view(b, n_keys, nkv, hd)  # [B, C+Q, nkv, hd]
+            v = v_cache.index_select(0, flat).view(b, n_keys, nkv, hd)
+        return attend(q, k, v, None, None, meta.mask, meta.causal)
+
+    def _attend_exact(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Each query as one aligned decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
+        nh, hd = q.shape[2], q.shape[3]
+        nkv = k_cache.shape[1]
+        flat = q.reshape(-1, 1, nh, hd)
+        out = None
+        exact = self.exact
+        for rows, slots, valid in exact.groups:
+            g, w = valid.shape[0], valid.shape[-1]
+            k = k_cache.index_select(0, slots).view(g, w, nkv, hd)
+            v = v_cache.index_select(0, slots).view(g, w, nkv, hd)
+            o = attend(flat[rows], k, v, None, None, valid, False)
+            if len(exact.groups) == 1:
+                return o
+            if out is None:
+                out = o.new_empty(exact.rows, 1, o.shape[-1])
+            out[rows] = o
+        return out
+
+
+class TorchPagedBackend:
+    """AttentionBackend over one model's paged cache (k_cache/v_cache [layers, slots, nkv, hd]).
+
+    merge_widths lets exact rows with different key counts share one call, padded to the widest
+    (bit-exact in WIDTH_FREE_DTYPES); otherwise rows are grouped by padded width, and a batch
+    needing more than MAX_EXACT_GROUPS calls falls back to one masked call.
+    """
+
+    name = "torch-exact"
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+                 merge_widths: bool | None = None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.block_size = block_size
+        self.device = k_cache.device
+        self.merge_widths = k_cache.dtype in WIDTH_FREE_DTYPES if merge_widths is None else merge_widths
+
+    def prepare_prefill(self, block_tables: list[list[int]], ctx_lens: list[int],
+                        q_lens: list[int]) -> TorchStepAttention:
+        q = max(q_lens)
+        parents = torch.full((len(q_lens), 1), -1) if q == 1 else None  # one-token chunks are decode steps
+        return self._prepare(block_tables, ctx_lens, q_lens, parents, None)
+
+    def prepare_decode(self, block_tables: list[list[int]], ctx_lens: list[int]) -> TorchStepAttention:
+        return self._prepare(block_tables, ctx_lens, [1] * len(ctx_lens), torch.full((len(ctx_lens), 1), -1), None)
+
+    def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
+                     tree_mask: torch.Tensor) -> TorchStepAttention:
+        n = parents.shape[1]
+        return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree_mask)
+
+    def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree_mask) -> TorchStepAttention:
+        q_width, bs, dev = max(q_lens), self.block_size, self.device
+        if parents is not None and max(ctx_lens) > 0 and all(x == q_width for x in q_lens):
+            bt = _block_table(block_tables, _width(ctx_lens, q_width, bs), dev)
+            slots = _new_slots(bt, ctx_lens, q_lens, q_width, bs)
+            rows = exact_rows(parents, bt, bs, ctx_lens, slots.view(len(q_lens), q_width), self.merge_widths)
+            if rows is not None:  # no mask needed: every query reads exactly its own keys
+                return TorchStepAttention(self.k_cache, self.v_cache, slots, None, rows)
+        meta = masked_metadata(block_tables, ctx_lens, q_lens, q_width, bs, dev, tree_mask)
+        return TorchStepAttention(self.k_cache, self.v_cache, meta.slot_mapping, meta, None)

@@ -1,0 +1,76 @@
+"""The typed seams of speculation: what a speculative step may ask of the engine (TargetHost),
+what drafts (Proposer) and what decides how much to draft (SpeculationPolicy). Protocols: the
+engine, the EAGLE-3 and n-gram proposers and the static and adaptive policies satisfy them
+structurally, and nothing probes them with getattr/hasattr."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from augury.engine.request import Request
+from augury.engine.stats import EngineStats
+from augury.speculative.policy import TreeShape
+from augury.speculative.tree import DraftTree
+
+# (batch size, tokens per request, seconds): one profiled forward, for a cost model
+CostSample = tuple[int, int, float]
+
+
+class TargetHost(Protocol):
+    """The engine as a speculative step sees it: run the target over trees, reserve and compact
+    cache slots, advance and commit requests. (augury.engine.Engine implements it.)"""
+
+    device: torch.device
+    stats: EngineStats
+    max_model_len: int
+
+    @property
+    def block_size(self) -> int: ...
+
+    def verify_forward(self, reqs: list[Request], tokens: torch.Tensor, parents: torch.Tensor,
+                       depth: torch.Tensor, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def reserve(self, reqs: list[Request], lookahead: int) -> bool: ...
+
+    def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+    def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None: ...
+
+    def commit(self, req: Request, tokens: list[int]) -> int: ...
+
+    def scratch_forward(self, batch: int, n: int, ctx: int) -> Callable[[], None] | None: ...
+
+
+class Proposer(Protocol):
+    needs_aux: bool  # reads the target's aux-layer features (EAGLE-3)
+    aux_layers: tuple[int, ...]
+    extra_nodes: int  # nodes it may add to a tree beyond the shape's (a prompt-lookup branch)
+
+    def propose(self, host: TargetHost, reqs: list[Request], shape: TreeShape) -> DraftTree:
+        """One draft tree per request, node 0 the last committed token."""
+        ...
+
+    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
+        """Timed drafting forwards for a cost model ([] when drafting costs next to nothing)."""
+        ...
+
+
+class SpeculationPolicy(Protocol):
+    def choose(self, batch_size: int) -> TreeShape | None:
+        """The tree to draft this step, or None: decode plainly."""
+        ...
+
+    def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
+                timed: bool = True) -> None:
+        """After a step: its time (timed=False: not representative) and accepted drafts per request."""
+        ...
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None: ...
+
+    def calibrate(self, host: TargetHost, proposer: Proposer, max_num_seqs: int) -> None:
+        """Start-up profiling, once the engine has passed its warm-up."""
+        ...
