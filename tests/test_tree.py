@@ -47,7 +47,6 @@ def test_select_tree_hand_made() -> None:
     assert tree.tokens.tolist() == [[7, 10, 12, 11, 14]]
     assert tree.parents.tolist() == [[-1, 0, 1, 0, 3]]
     assert tree.depth.tolist() == [[0, 1, 2, 1, 2]]
-    assert tree.positions(torch.tensor([100])).tolist() == [[100, 101, 102, 101, 102]]
 
 
 def test_select_tree_ties_earlier_wins_and_siblings_sorted() -> None:

@@ -42,11 +42,6 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.tokens.shape[1])
 
-    def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Position ids for the verify forward: seq_lens [B] (committed tokens before the root)
-        -> [B, N] = seq_len + depth."""
-        return seq_lens.to(self.depth.device, torch.long).unsqueeze(1) + self.depth
-
 
 def _self_rooted(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents with -1 replaced by the node's own index, so gathers never go out of range
