@@ -73,9 +73,7 @@ def test_string_prompt_without_tokenizer(tiny_checkpoint, capsys) -> None:
 
 
 def test_debug_shows_the_traceback() -> None:
-    from augury.engine.builder import StartupError
-
-    with pytest.raises(StartupError, match="does not exist"):
+    with pytest.raises(ValueError, match="does not exist"):
         main(["generate", "--debug", "--model", "/no/such/folder", "hi"])
 
 

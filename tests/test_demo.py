@@ -66,12 +66,8 @@ def test_plain_import_fetches_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_target_dir_attribute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demo, "ensure_demo_target", lambda: tmp_path / "sentinel")
-    assert demo.resolve_model("demo") == tmp_path / "sentinel"
-    assert demo.resolve_model(str(tmp_path)) == tmp_path
-    with pytest.raises(ValueError, match="does not exist; pass --model DIR"):
-        demo.resolve_model(str(tmp_path / "nope"))
     from augury.demo import TARGET_DIR  # module __getattr__ goes through ensure_demo_target
 
     assert TARGET_DIR == tmp_path / "sentinel"

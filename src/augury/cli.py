@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
+
+from augury import config
+from augury.config import add_flags
 
 PROG = "augury"
 COMMANDS = {
@@ -22,36 +24,20 @@ COMMANDS = {
     "bench": "offline throughput, augury vs transformers (see `augury bench --help`)",
     "train-draft": "train an EAGLE-3 head for a target (see `augury train-draft --help`)",
 }
-# generate flag -> (EngineConfig field, type, help)
-ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model": ("model", str, "a Hugging Face checkpoint folder, or 'demo' (default)"),
-    "--dtype": ("dtype", str, "auto (the checkpoint's), float32, bfloat16 or float16"),
-    "--device": ("device", str, "cpu or cuda (default: cuda when available)"),
-    "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
-    "--speculative-algorithm": ("speculative_algorithm", str, "eagle3, ngram or none"),
-    "--speculative-draft-model-path": ("draft_model", str, "EAGLE-3 head checkpoint folder"),
-    "--speculative-num-steps": ("speculative_num_steps", int, "draft depth"),
-    "--speculative-eagle-topk": ("speculative_eagle_topk", int, "children per draft node"),
-    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, "draft tokens verified per step"),
-    "--speculative-ngram-branch": ("speculative_ngram_branch", int,
-                                   "eagle3: add up to this many prompt-lookup tokens to each tree (0 = off)"),
-    "--speculative-policy": ("speculative_policy", str, "adaptive or static"),
-    "--speculative-disable-batch-threshold": ("speculative_disable_batch_threshold", int,
-                                              "no speculation at this batch size or above"),
-}
 # generate flag -> (SamplingParams field, type, default, help)
 SAMPLING_FLAGS: dict[str, tuple[str, type, Any, str]] = {
-    "--max-tokens": ("max_tokens", int, 128, "most tokens to generate (default 128)"),
-    "--temperature": ("temperature", float, 0.0, "0 is greedy (default 0)"),
-    "--top-p": ("top_p", float, 1.0, "nucleus sampling mass (default 1: off)"),
-    "--top-k": ("top_k", int, None, "keep the k most likely tokens (default: off)"),
-    "--seed": ("seed", int, None, "makes sampling reproducible"),
+    "--max-tokens": ("max_tokens", int, 128, "most tokens to generate (default: 128)"),
+    "--temperature": ("temperature", float, 0.0, "sampling temperature; 0 picks the likeliest token (default: 0)"),
+    "--top-p": ("top_p", float, 1.0, "sample only from the likeliest tokens whose probabilities add up to this "
+                "(default: 1, all)"),
+    "--top-k": ("top_k", int, None, "sample only from the k likeliest tokens (default: all)"),
+    "--seed": ("seed", int, None, "makes sampling reproducible (default: not seeded)"),
 }
-# config field names that read as ordinary words in messages are never rewritten as flags
-_NOT_REWRITTEN = {"model", "device"}
+# config and sampling fields -> generate's flags, for messages
+GENERATE_FLAGS = {**config.FLAGS, **{dest: flag for flag, (dest, *_rest) in SAMPLING_FLAGS.items()}}
 
 
-class CliError(Exception):
+class CliError(ValueError):
     """A user error the command reports as one line."""
 
 
@@ -78,14 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--debug", action="store_true", help="info logging, and tracebacks with errors")
     for flag, (dest, kind, default, help_) in SAMPLING_FLAGS.items():
         gen.add_argument(flag, dest=dest, type=kind, default=default, help=help_, metavar=_metavar(dest, kind))
-    for flag, (dest, kind, help_) in ENGINE_FLAGS.items():
-        gen.add_argument(flag, dest=dest, type=kind, default=None, help=help_, metavar=_metavar(dest, kind))
+    add_flags(gen)  # every engine option, from the one table in config.py
     return parser
 
 
 def _metavar(dest: str, kind: type) -> str:
-    if dest in ("model", "draft_model"):
-        return "DIR"
     return {int: "N", float: "X"}.get(kind, "NAME")
 
 
@@ -93,23 +76,6 @@ def _version() -> str:
     from augury import __version__
 
     return __version__
-
-
-def name_flags(message: str) -> str:
-    """Say `--max-tokens` where a validation message says `max_tokens`: the user typed the flag."""
-    fields = {dest: flag for flag, (dest, *_rest) in {**ENGINE_FLAGS, **SAMPLING_FLAGS}.items()}
-    for dest, flag in fields.items():
-        if dest not in _NOT_REWRITTEN:
-            message = re.sub(rf"(?<![\w-]){re.escape(dest)}\b", flag, message)
-    return message
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    from_user = isinstance(exc, (ValueError, CliError, FileNotFoundError, MemoryError))
-    if not from_user and type(exc).__name__ != "StartupError":
-        text = f"{type(exc).__name__}: {text}"
-    return name_flags(text)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,11 +87,11 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise CliError("the prompt is empty")
-    engine_kwargs = {dest: getattr(args, dest) for dest, *_ in ENGINE_FLAGS.values()}
-    engine_kwargs["model"] = engine_kwargs["model"] or "demo"
+    engine_kwargs = config.given_options(args)
+    model = engine_kwargs.pop("model") or config.OPTION["model"].default
     from augury.llm import LLM
 
-    llm = LLM(**engine_kwargs)
+    llm = LLM(model, **engine_kwargs)
     chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))
     if chat:
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
@@ -168,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # every failure is one line unless --debug asks for the traceback
         if debug:
             raise
-        sys.stderr.write(f"{PROG}: error: {_one_line(exc)}\n")
+        sys.stderr.write(f"{PROG}: error: {config.one_line(exc, GENERATE_FLAGS)}\n")
         return 2
 
 

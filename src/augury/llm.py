@@ -10,11 +10,12 @@ from tqdm.auto import tqdm
 from augury.config import EngineConfig
 from augury.engine.builder import build_engine
 from augury.outputs import RequestOutput
+from augury.resolve import resolve
 from augury.sampling_params import SamplingParams
 
 
 class LLM:
-    """Load a model (a Hugging Face folder, or "demo") and generate with continuous batching.
+    """Load a model (a Hugging Face folder, a .gguf file, or "demo") and generate with continuous batching.
 
     Keyword arguments are EngineConfig fields (dtype, device, max_num_seqs, draft_model,
     speculative_algorithm, speculative_num_steps, ...). `model="demo"` is SmolLM2-135M-Instruct
@@ -23,7 +24,8 @@ class LLM:
 
     def __init__(self, model: str = "demo", **kwargs: Any) -> None:
         self.config = EngineConfig.create(model=str(model), **kwargs)
-        self.engine = build_engine(self.config)
+        self.resolved = resolve(self.config)  # the demo is fetched, a .gguf file converted, once
+        self.engine = build_engine(self.config, self.resolved)
 
     @property
     def dtype(self) -> torch.dtype:

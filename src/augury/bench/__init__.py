@@ -20,12 +20,12 @@ from typing import Any, Protocol
 class SystemSettings:
     """What every system of one benchmark run shares."""
 
-    model: str  # checkpoint folder (or "demo")
+    model: str  # checkpoint folder (resolved by the benchmark: never a name such as "demo")
     dtype: str  # float32 / bfloat16 / float16: one concrete dtype for all systems
     device: str
     max_batch_size: int
     max_len: int  # prompt + output tokens of the longest request
-    draft_model: str | None = None  # EAGLE-3 head for the speculative systems (None: the demo's)
+    draft_model: str | None = None  # EAGLE-3 head folder for the speculative systems
     temperature: float = 0.0  # 0 = greedy; otherwise seeded sampling at this temperature
 
 
@@ -94,12 +94,10 @@ class TransformersSystem:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from augury.demo import resolve_model
-
         self.name = name
         self.torch = torch
         self.device = torch.device(settings.device)
-        folder = resolve_model(settings.model)
+        folder = Path(settings.model)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype))
         self.model = model.to(self.device).eval()
         gen = self.model.generation_config
@@ -138,10 +136,8 @@ class TransformersSystem:
 
 
 def _eos_ids(folder) -> set[int]:
-    from pathlib import Path
-
-    from augury.engine.builder import eos_ids, load_tokenizer
     from augury.models.config import TargetConfig
+    from augury.models.tokenizer import eos_ids, load_tokenizer
 
     return eos_ids(Path(folder), TargetConfig.from_folder(Path(folder)).eos_token_ids, load_tokenizer(Path(folder)))
 
@@ -265,9 +261,9 @@ def _numel(shape: list[int]) -> int:
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     """Held-out chat prompts (the 'eval' split of augury's built-in prompt set, which training
     never sees), each wrapped in the tokenizer's chat template."""
-    from augury.train.prompts import Prompt, builtin_prompts, split_of
+    from augury.prompts import held_out_prompts
 
-    texts = [t for t in builtin_prompts() if split_of(Prompt(t), 5, 3) == "eval"][:count]
+    texts = held_out_prompts(count)
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                            add_generation_prompt=True), add_special_tokens=False)
             for t in texts]

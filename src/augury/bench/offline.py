@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from augury.bench import SHAPED, SYSTEMS, System, SystemSettings, count_parameters, random_llama, system_factory
+from augury.config import OPTION, add_flags, one_line
 
 PROG = "augury bench"
 
@@ -212,7 +213,6 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     """Run the whole benchmark; returns the rows and the folder holding offline.json/.png."""
     import torch
 
-    from augury.demo import resolve_model
     from augury.models.config import TargetConfig
 
     factories = [system_factory(name) for name in settings.systems]  # bad names fail before any loading
@@ -223,28 +223,29 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         torch.set_num_threads(settings.threads)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
+    draft = settings.draft_model
     if settings.model == "random":
         folder, params = random_llama(out / "random-llama", settings.random_config, settings.seed)
-    else:
-        folder = resolve_model(settings.model)
+    else:  # one resolution for every system: they get folders ("demo": its folder and shipped head)
+        from augury.config import EngineConfig
+        from augury.resolve import resolve
+
+        resolved = resolve(EngineConfig(model=settings.model, draft_model=settings.draft_model))
+        folder = resolved.target_dir
+        draft = str(resolved.draft_dir) if resolved.draft_dir is not None else None
         params = count_parameters(folder)
     cfg = TargetConfig.from_folder(folder)
     chat = None
     prompt_len = settings.prompt_len
     if settings.prompts == "chat":
         from augury.bench import chat_prompts
-        from augury.engine.builder import load_tokenizer
+        from augury.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(Path(folder))
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
         chat = chat_prompts(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
-    draft = settings.draft_model
-    if draft is None and settings.model == "demo":
-        from augury.heads import demo_head_dir
-
-        draft = str(demo_head_dir()) if demo_head_dir() else None  # systems get the folder, not "demo"
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature)
     systems: list[System] = []
@@ -264,6 +265,10 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
              f"prompt {settings.prompt_len}, output {settings.output_len}, {torch.get_num_threads()} threads")
     plot(rows, out / "offline.png", title)
     return rows, out
+
+
+# config fields -> the benchmark's flags, for messages (a tree shape comes in a system's name, not a flag)
+_BENCH_FLAGS = {"dtype": "--dtype", "device": "--device", "draft_model": "--draft-model", "threads": "--threads"}
 
 
 class _UsageError(Exception):
@@ -298,16 +303,28 @@ def _key_values(text: str) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     d = BenchSettings()
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=d.model, help="checkpoint folder, 'demo', or 'random' (a ~30M random Llama)")
+    # the engine options the benchmark passes on to its systems, from the one table (config.OPTIONS)
+    add_flags(p, ("model", "dtype", "device", "draft_model", "threads"),
+              model=dict(default=d.model, help=OPTION["model"].help + ", or 'random' (a ~30M-parameter "
+                         "random Llama written into --out)"),
+              dtype=dict(default=d.dtype, choices=["float32", "bfloat16", "float16"],
+                         help="weights and compute dtype of every system: float32, bfloat16 or float16"),
+              device=dict(default=d.device),
+              draft_model=dict(flags=("--draft-model", OPTION["draft_model"].flag),
+                               help="EAGLE-3 head folder for the augury-static/adaptive systems",
+                               default=None),
+              threads=dict(default=None))
     p.add_argument("--random-config", type=_key_values, default={}, help="LlamaConfig overrides for --model random, "
                    "e.g. vocab_size=32000,tie_word_embeddings=false")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes, help="e.g. 1,8")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes,
+                   help="comma-separated batch sizes, each run on its own, e.g. 1,8")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len,
+                   help=f"tokens per random prompt (default: {d.prompt_len}; --prompts chat uses the prompts' own)")
+    p.add_argument("--output-len", type=int, default=d.output_len,
+                   help=f"tokens each sequence generates (at most, with --stop-at-eos) (default: {d.output_len})")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
-    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help=f"untimed runs per system and batch size first (default: {d.warmup})")
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
@@ -318,12 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
     p.add_argument("--stop-at-eos", action="store_true", help="end each sequence at its end-of-sequence token "
                    "(at most --output-len), as in a chat; default: exactly --output-len tokens")
-    p.add_argument("--draft-model", default=None, help="EAGLE-3 head for the augury-static/adaptive systems "
-                   "(default: the demo's shipped head)")
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the random prompts and of the random model (default: {d.seed})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="tracebacks with errors")
     return p
 
@@ -350,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split()) or type(exc).__name__}\n")
+        sys.stderr.write(f"{PROG}: error: {one_line(exc, _BENCH_FLAGS)}\n")
         return 2
     print(format_table(rows))
     print(f"wrote {out / 'offline.json'} and {out / 'offline.png'}")

@@ -1,38 +1,19 @@
 """`augury serve` flags -> validated settings. Imports no torch: bad flags fail in milliseconds.
 
-Engine flags go through EngineConfig.create (which also reads the AUGURY_* environment), so
-the engine and the server validate the same way; its messages name config fields, and are
-rewritten here to name the flag the user typed.
+The engine flags are config.OPTIONS' (the one table every command derives its flags from);
+they go through EngineConfig.create (which also reads the AUGURY_* environment), so the
+engine and the server validate the same way. Its messages name config fields; the one-line
+error names the flag the user typed (config.name_flags).
 """
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from augury.config import EngineConfig
+from augury.config import EngineConfig, ResolvedModel, add_flags, given_options, name_flags
 
-# flag -> (EngineConfig field, type)
-ENGINE_FLAGS: dict[str, tuple[str, type]] = {
-    "--model": ("model", str),
-    "--dtype": ("dtype", str),
-    "--device": ("device", str),
-    "--max-num-seqs": ("max_num_seqs", int),
-    "--max-model-len": ("max_model_len", int),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-    "--num-kv-blocks": ("num_kv_blocks", int),
-    "--kv-cache-memory-gb": ("kv_cache_memory_gb", float),
-    "--speculative-algorithm": ("speculative_algorithm", str),
-    "--speculative-draft-model-path": ("draft_model", str),
-    "--speculative-num-steps": ("speculative_num_steps", int),
-    "--speculative-eagle-topk": ("speculative_eagle_topk", int),
-    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int),
-    "--speculative-ngram-branch": ("speculative_ngram_branch", int),
-    "--speculative-policy": ("speculative_policy", str),
-    "--speculative-disable-batch-threshold": ("speculative_disable_batch_threshold", int),
-}
 DEFAULT_MAX_QUEUE_SIZE = 256
 
 
@@ -45,6 +26,7 @@ class ServeSettings:
     max_queue_size: int
     served_model_name: str
     engine: EngineConfig
+    resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
 
     def describe(self) -> dict[str, Any]:
         """For /server_info: everything except the key itself."""
@@ -70,33 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", type=int, default=DEFAULT_MAX_QUEUE_SIZE,
                    help="requests that may wait beyond --max-num-seqs running ones; more get 429")
     p.add_argument("--debug", action="store_true", help="debug logging, and tracebacks with start-up errors")
-    for flag, (name, kind) in ENGINE_FLAGS.items():
-        default = EngineConfig.__dataclass_fields__[name].default
-        p.add_argument(flag, dest=name, type=kind, default=None,
-                       help=f"EngineConfig.{name} (default {default!r})")
+    add_flags(p)  # every engine option, from the one table in config.py
     return p
-
-
-def _name_flags(message: str, given: dict[str, Any]) -> str:
-    """Rewrite config field names in a validation message as the flags the user passed."""
-    message = message.replace("speculative_draft_model_path", "--speculative-draft-model-path")
-    for flag, (name, _) in sorted(ENGINE_FLAGS.items(), key=lambda kv: -len(kv[1][0])):
-        if name not in given:
-            continue
-        if "_" in name:
-            message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
-        elif message.startswith(name + " "):
-            message = flag + message[len(name):]
-    return message
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     """Validate everything the flags and the environment say; ValueError names the culprit."""
-    given = {name: getattr(args, name) for _, (name, _) in ENGINE_FLAGS.items() if getattr(args, name) is not None}
     try:
-        engine = EngineConfig.create(**given)
+        engine = EngineConfig.create(**given_options(args))
     except ValueError as e:
-        raise ValueError(_name_flags(str(e), given)) from None
+        raise ValueError(name_flags(str(e))) from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue_size < 0:

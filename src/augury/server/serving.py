@@ -6,6 +6,7 @@ sees the request; the engine thread only ever receives well-formed prompts and p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +20,7 @@ from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-# Temperatures this small are greedy in effect; the sampler would overflow on them (as vLLM does).
-GREEDY_BELOW = 1e-5
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -95,13 +95,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
                           f"and {max_tokens} were asked for (max_tokens); ask for at most {room}",
                           "max_tokens", "context_length_exceeded")
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad_request(f"temperature must be a finite number >= 0, got {temperature}", "temperature")
-    if temperature < GREEDY_BELOW:
-        temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if req.top_k is not None and (req.top_k < -1 or req.top_k > 2**31):
         raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {req.top_k}", "top_k")
     seed = req.seed
@@ -115,11 +109,13 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
     stop_ids = req.stop_token_ids or []
     if any(not 0 <= t < state.vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
-    try:
+    try:  # SamplingParams validates temperature, top_p, ... (once, for every entry point)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
                               seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos))
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except ValueError as e:  # its messages open with the field's name, which is the request's parameter
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if param in _SAMPLING_FIELDS else None) from None
 
 
 def _check_n(req: SamplingFields, num_prompts: int, state: ServerState) -> int:

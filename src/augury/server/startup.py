@@ -1,8 +1,9 @@
 """`augury serve`: start-up as named stages that each complete or stop the process.
 
 configuration -> target -> draft head -> KV cache -> CUDA graphs -> warm-up -> HTTP.
-The first six are engine/builder.py's; this module adds its own checks to "configuration"
-(flags, environment, the port, the model path: all before anything heavy is imported)
+The first six are engine/builder.py's; this module adds its own work to "configuration"
+(flags, environment, the model paths, the port: all before anything heavy is imported; then
+the model name resolved to folders, which may fetch the demo or convert a .gguf file once)
 and the "HTTP" stage (bind, build the app, start the engine thread, listen). A failing
 stage prints one line, `augury: error: start-up failed at stage '<stage>': <cause>`, and
 the process exits with status 1 (argparse usage errors: 2); the traceback only with --debug.
@@ -12,13 +13,14 @@ starts listening when uvicorn starts serving, after which /health is green.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import sys
 import time
 import traceback
-from pathlib import Path
-
+from augury import resolve
+from augury.config import one_line
 from augury.stages import StartupError, stage
 from augury.server.args import ServeSettings, build_parser, settings_from_args
 
@@ -47,15 +49,6 @@ class _Stages:
         return stage(name, self.entered, announce)
 
 
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if not text:
-        return type(exc).__name__
-    if isinstance(exc, (ValueError, RuntimeError, OSError)) and type(exc).__module__ == "builtins":
-        return text
-    return f"{type(exc).__name__}: {text}"
-
-
 def _report(stage: str, cause: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(cause)
@@ -78,14 +71,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot bind {host}:{port} ({e.strerror or e}); is another server using the port?") from None
     return sock
-
-
-def _check_paths(settings: ServeSettings) -> None:
-    cfg = settings.engine
-    for flag, value in (("--model", cfg.model if cfg.model != "demo" else None),
-                        ("--speculative-draft-model-path", cfg.draft_model)):
-        if value is not None and not Path(value).expanduser().exists():
-            raise ValueError(f"{flag} path {value} does not exist; pass a Hugging Face checkpoint folder")
 
 
 def _setup_logging(debug: bool) -> logging.Handler:
@@ -116,12 +101,14 @@ def _start_and_serve(args) -> int:
     try:
         with stages.stage("configuration", announce=False):  # builder.py announces it
             settings = settings_from_args(args)
-            _check_paths(settings)
+            resolve.check(settings.engine)  # paths exist, a head is there for eagle3: before anything slow
             bind_socket(settings.host, settings.port).close()  # the port is free now: fail before loading
+            # the demo may be downloaded, a .gguf file converted (once): failures name this stage
+            settings = dataclasses.replace(settings, resolved=resolve.resolve(settings.engine))
         from augury.engine.builder import build_engine
 
         try:
-            engine = build_engine(settings.engine, notify=stages.entered)
+            engine = build_engine(settings.engine, settings.resolved, notify=stages.entered)
         except StartupError:
             raise
         except Exception as e:  # outside any builder stage (there is none today; belt and braces)

@@ -15,15 +15,33 @@ from pathlib import Path
 
 import torch
 
+from augury.config import add_flags
+
 log = logging.getLogger("augury.train")
 STAGES = ("generate", "train", "export", "eval")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" where there is a default worth saying and the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="augury train-draft", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     a = p.add_argument
-    a("--target", required=True, help='target model folder (Hugging Face format) or "demo"')
+    # the engine options training passes on to its target, from the one table (config.OPTIONS)
+    add_flags(p, ("model", "dtype", "device", "threads"),
+              model=dict(flags=("--target",), dest="target", required=True,
+                         help="the target model: a Hugging Face checkpoint folder, a llama-architecture .gguf "
+                              "file, or 'demo'"),
+              dtype=dict(default="bfloat16", choices=("bfloat16", "float32"),
+                         help="the target's dtype (generation, features): bfloat16 or float32"),
+              device=dict(default="cpu"), threads=dict(default=None))
     a("--out", required=True, type=Path, help="where the exported head folder goes")
     a("--work-dir", type=Path, help="data, vocabulary, checkpoints and logs (default: <out>-work)")
     a("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
@@ -32,40 +50,38 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ckpt-dir", help="checkpoint folder name under --work-dir (a warm-started run can use its own)")
     a("--prompts-file", type=Path, help='JSON lines of {"text": ...} or {"ids": [...]} instead of the built-in prompts')
     a("--num-prompts", type=int, default=3000, help="training prompts (validation adds 3%%)")
-    a("--max-new-tokens", type=int, default=256)
+    a("--max-new-tokens", type=int, default=256, help="most tokens the target generates per prompt")
     a("--temperatures", default="0,0.7", help="generation temperatures, cycled over prompts")
     a("--gen-batch", type=int, default=48, help="requests generated together")
     a("--shard-size", type=int, default=96, help="prompts per data shard (the unit of resumption)")
     a("--gen-workers", type=int, default=1, help="generation processes (each takes every N-th shard)")
     a("--gen-kv-gb", type=float, default=4.0, help="KV cache memory per generation process (GB)")
-    a("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="target dtype (generation, features)")
-    a("--draft-vocab-size", type=int, default=8192)
+    a("--draft-vocab-size", type=int, default=8192, help="tokens in the head's vocabulary (the most frequent)")
     a("--aux-layers", help="comma-separated target layers whose outputs feed the head (default 1,n//2-1,n-4)")
     a("--ttt-length", type=int, default=7, help="training-time-test unroll steps")
     a("--ttt-fraction", type=float, default=1.0,
       help="share of positions unrolled past step 0 (each an independent draft chain); <1 trades data for speed")
-    a("--max-seq-len", type=int, default=512)
+    a("--max-seq-len", type=int, default=512, help="training sequences are cut to this many tokens")
     a("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
-    a("--epochs", type=int, default=1)
+    a("--epochs", type=int, default=1, help="passes over the training data")
     a("--max-steps", type=int, help="stop after this many optimizer steps")
-    a("--lr", type=float, default=5e-4)
-    a("--warmup-ratio", type=float, default=0.03)
+    a("--lr", type=float, default=5e-4, help="peak learning rate")
+    a("--warmup-ratio", type=float, default=0.03, help="share of the steps spent warming the learning rate up")
     a("--save-every", type=int, default=100, help="checkpoint + held-out check every N steps")
     a("--time-limit", type=float, help="stop training after this many minutes (checkpointed; --resume continues)")
     a("--feature-cache-gb", type=float, default=4.0,
       help="memory for the target's features kept between epochs (later epochs skip the target forward; 0 = off)")
     a("--precision", default="bf16", choices=("bf16", "fp32"), help="head compute (bf16 = autocast, fp32 weights)")
-    a("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    a("--export-from", default="best", choices=("best", "latest"))
+    a("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the exported weights")
+    a("--export-from", default="best", choices=("best", "latest"),
+      help="export the checkpoint with the best held-out loss, or the latest")
     a("--eval-prompts", type=int, default=32, help="held-out prompts for the engine evaluation")
     a("--eval-batch1", type=int, default=8, help="of those, how many also run one at a time")
     a("--eval-max-tokens", type=int, default=256)
     a("--spec-steps", type=int, default=6,
       help="draft chain length in the evaluation (which also records the measured per-depth acceptance "
            "in <out>/config.json as augury_acceptance, the adaptive policy's prior)")
-    a("--threads", type=int, help="torch CPU threads")
-    a("--device", default="cpu")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the prompt split, generation and training")
     a("--no-progress", action="store_true", help="no tqdm bars (logs only)")
     return p
 
@@ -245,9 +261,11 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        from augury.demo import resolve_model
+        from augury.config import EngineConfig
+        from augury.resolve import resolve
 
-        folder = resolve_model(args.target)
+        # one resolution ("demo": its folder; a .gguf file: its cached conversion); the head is ours to train
+        folder = resolve(EngineConfig(model=args.target, speculative_algorithm="none")).target_dir
         splits = _prompts(args)
         if "generate" in stages:
             stage_generate(args, folder, work, splits)
