@@ -27,6 +27,29 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def pending(self, ids: list[int]) -> str:
+        """The whole characters decoded past `text` but not released yet: `step` holds back a
+        window that ends in an incomplete character, yet its complete part can already end a
+        stop string (a token "yz\\xc3" completes "yz" though the "\\xc3" waits for its
+        continuation)."""
+        dec = self.tokenizer.decode
+        prefix = dec(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = dec(ids[self.prefix_offset :], skip_special_tokens=True)
+        return full[len(prefix) :].rstrip("\ufffd") if len(full) > len(prefix) else ""
+
+    def stop_prefix_len(self, stops: list[str]) -> int:
+        """Length of the longest end of `text` that begins some stop string (shorter than it).
+
+        A stream holds those characters back: the next tokens may complete the stop string,
+        and then they must never have been shown."""
+        best = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
     def flush(self, ids: list[int]) -> str:
         """At the end: whatever is left, even a dangling partial character."""
         prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
