@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -216,3 +217,95 @@ def test_bench_stop_at_eos_counts_the_tokens_generated(tiny_checkpoint, tmp_path
     assert rows["augury"]["output_tokens"] == rows["transformers"]["output_tokens"] == want
     assert rows["transformers"]["greedy_match"] == 1.0
     assert rows["transformers"]["ratio"] == pytest.approx(rows["transformers"]["tokens_per_s"] / rows["augury"]["tokens_per_s"])
+
+
+# ------------------------------------------------------------------ the one option table
+
+def _option_actions(parser) -> list:
+    import argparse
+
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def _parsers() -> dict:
+    from augury.bench.offline import build_parser as bench_parser
+    from augury.cli import build_parser
+    from augury.server.args import build_parser as serve_parser
+    from augury.train.cli import build_parser as train_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {"generate": sub.choices["generate"], "serve": serve_parser(), "bench": bench_parser(),
+            "train-draft": train_parser()}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "train-draft"])
+def test_every_flag_says_what_it_does(command: str) -> None:
+    actions = _option_actions(_parsers()[command])
+    assert len(actions) > 5
+    for action in actions:
+        text = " ".join((action.help or "").split())
+        words = re.sub(r"\(default[^)]*\)", "", text).split()  # what it does, without the default
+        assert len(words) >= 3 and "EngineConfig" not in text, (command, action.option_strings, text)
+
+
+def test_engine_flags_come_from_the_one_table() -> None:
+    from augury.config import OPTIONS
+
+    parsers = _parsers()
+    for command in ("generate", "serve"):
+        flags = {s for a in _option_actions(parsers[command]) for s in a.option_strings}
+        assert {o.flag for o in OPTIONS} <= flags, command
+    for option in OPTIONS:  # one help text for a flag, wherever it appears
+        helps = {command: a.help for command, p in parsers.items() for a in _option_actions(p)
+                 if option.flag in a.option_strings}
+        assert helps["generate"] == helps["serve"]
+    serve_help = subprocess.run([sys.executable, "-m", "augury.cli", "serve", "--help"], capture_output=True,
+                                text=True, env=os.environ | {"PYTHONPATH": SRC}, timeout=120)
+    assert serve_help.returncode == 0 and "--quantization" in serve_help.stdout
+    assert "EngineConfig." not in serve_help.stdout
+    assert "weights and compute dtype: auto (the checkpoint's own;" in " ".join(serve_help.stdout.split())
+
+
+def test_environment_fills_a_field_and_a_flag_wins(monkeypatch) -> None:
+    from augury.config import ENV_VARS, OPTIONS, EngineConfig
+    from augury.server.args import build_parser, settings_from_args
+
+    assert ENV_VARS == {o.env: o.name for o in OPTIONS if o.env}
+    assert {"AUGURY_THREADS", "AUGURY_DEVICE", "AUGURY_KV_CACHE_GB", "AUGURY_SPEC_DISABLE_BATCH_THRESHOLD"} <= set(ENV_VARS)
+    monkeypatch.setenv("AUGURY_THREADS", "3")
+    monkeypatch.setenv("AUGURY_KV_CACHE_GB", "0.5")
+    assert EngineConfig.create().threads == 3
+    settings = settings_from_args(build_parser().parse_args(["--threads", "2"]))
+    assert settings.engine.threads == 2 and settings.engine.kv_cache_memory_gb == 0.5
+    monkeypatch.setenv("AUGURY_KV_CACHE_GB", "-1")
+    with pytest.raises(ValueError, match=r"^AUGURY_KV_CACHE_GB must be a positive number"):
+        EngineConfig.create()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--max-model-len", "0", "hi"], "augury: error: --max-model-len must be a positive integer, got 0"),
+    (["generate", "--quantization", "int3", "hi"], "augury: error: --quantization must be one of"),
+    (["generate", "--threads", "0", "hi"], "augury: error: --threads must be a positive integer, got 0"),
+    (["generate", "--top-p", "0", "hi"], "augury: error: --top-p must be in (0, 1], got 0.0"),
+    (["generate", "--speculative-algorithm", "eagle3", "--model", "{tmp}", "hi"],
+     "augury: error: --speculative-algorithm eagle3 needs an EAGLE-3 head (--speculative-draft-model-path)"),
+])
+def test_an_error_names_the_flag_typed(argv, line, tmp_path, capsys) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert one_line_error(capsys, main(argv)).startswith(line)
+
+
+def test_serve_settings_name_the_flag_typed() -> None:
+    from augury.server.args import build_parser, settings_from_args
+
+    with pytest.raises(ValueError, match="--speculative-eagle-topk and --speculative-num-draft-tokens"):
+        settings_from_args(build_parser().parse_args(["--speculative-num-steps", "3"]))
+
+
+def test_serve_flags_and_model_check_import_no_torch() -> None:
+    code = ("import sys; from augury.server.args import build_parser, settings_from_args; from augury import resolve; "
+            "s = settings_from_args(build_parser().parse_args(['--model', 'demo', '--dtype', 'float32'])); "
+            "resolve.check(s.engine); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=os.environ | {"PYTHONPATH": SRC}, check=True)
+    assert out.stdout.strip() == "[]"

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="export the checkpoint with the best held-out loss, or the latest")
     a("--eval-prompts", type=int, default=32, help="held-out prompts for the engine evaluation")
     a("--eval-batch1", type=int, default=8, help="of those, how many also run one at a time")
-    a("--eval-max-tokens", type=int, default=256)
+    a("--eval-max-tokens", type=int, default=256, help="most tokens generated per prompt in the engine evaluation")
     a("--spec-steps", type=int, default=6,
       help="draft chain length in the evaluation (which also records the measured per-depth acceptance "
            "in <out>/config.json as augury_acceptance, the adaptive policy's prior)")
