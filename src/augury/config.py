@@ -213,7 +213,7 @@ OPTIONS: tuple[Option, ...] = (
            "how much to draft each step: adaptive (the draft size expected to give the most tokens per "
            "second at the current load, possibly none) or static (always the configured tree)", metavar="NAME"),
     Option("speculative_disable_batch_threshold", "--speculative-disable-batch-threshold", int,
-           "no speculation while this many requests or more generate at once",
+           "no speculation while more than this many requests generate at once",
            env="AUGURY_SPEC_DISABLE_BATCH_THRESHOLD", default_help="never off", metavar="N"),
     Option("log_stats_interval", "--log-stats-interval", float,
            "seconds between engine statistics log lines (0: off)", metavar="S"),

@@ -9,8 +9,8 @@ and nowhere else:
   drafting with the EAGLE-3 head shipped in augury unless another head is given or the
   algorithm is "ngram" or "none";
 - a `.gguf` file (llama architecture): converted once into `<cache>/gguf/<name>-<key>`, the
-  key made of the file's absolute path, size and modification time (a changed file is
-  converted again, and its older conversion removed), with the demo's cache discipline
+  key made of the file's absolute path, size and modification time and CONVERSION_FORMAT (a
+  changed file is converted again, and its older conversion removed), with the demo's cache discipline
   (`demo.build_once`: staging folder, marker written last, one rename, a lock);
 - anything else: a Hugging Face checkpoint folder, as given.
 
@@ -34,6 +34,7 @@ log = logging.getLogger("augury.resolve")
 DEMO = "demo"
 GGUF_MAGIC = b"GGUF"
 GGUF_MARKER = ".augury-complete"
+CONVERSION_FORMAT = 1  # part of a conversion's cache key: bump it when the converter's output changes
 _HINT = "pass a Hugging Face checkpoint folder, a llama-architecture .gguf file, or 'demo'"
 
 
@@ -105,7 +106,7 @@ def gguf_cache_dir(path: Path) -> Path:
 
     path = Path(path).expanduser().resolve()
     st = path.stat()
-    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{CONVERSION_FORMAT}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     stem = re.sub(r"[^\w.-]", "_", path.stem)[:64] or "model"
     return cache_root() / "gguf" / f"{stem}-{key}"
 
