@@ -30,7 +30,13 @@ _bearer = HTTPBearer(auto_error=False)
 
 
 class BodyLimit:
-    """Pure ASGI middleware: refuse request bodies over `limit` bytes with a 413 (no unbounded memory)."""
+    """Pure ASGI middleware: refuse request bodies over `limit` bytes with a 413 (no unbounded memory).
+
+    A body with a Content-Length is judged by it (the HTTP server never delivers more than
+    announced). One without (chunked transfer encoding) is read here first, at most `limit`
+    bytes, and replayed to the app: a limit hit while the app reads its body would reach
+    FastAPI as a body-parsing failure, a 400.
+    """
 
     def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
@@ -39,23 +45,36 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = f"the request body is over {self.limit} bytes"
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await JSONResponse({"error": {"message": too_big, "type": "invalid_request_error",
-                                                 "param": None, "code": "body_too_large"}},
-                                      status_code=413)(scope, receive, send)
+        if length is not None and length.isdigit():
+            if int(length) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        parts: list[bytes] = []
         seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise APIError(413, too_big, "body_too_large")
-            return message
+            if message["type"] != "http.request":  # the client went away: the app sees that next
+                break
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
+            if seen > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        replay = [message]
 
-        return await self.app(scope, limited_receive, send)
+        async def replayed_receive():
+            return replay.pop() if replay else await receive()
+
+        return await self.app(scope, replayed_receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        response = JSONResponse({"error": {"message": f"the request body is over {self.limit} bytes",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "body_too_large"}},
+                                status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
