@@ -61,7 +61,9 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
     with stage("target", notify):
-        model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK, config.quantization)
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
         from augury.speculative.worker import plan_speculation

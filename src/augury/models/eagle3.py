@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from augury.models.config import RopeConfig, TargetConfig, _parse_rope
@@ -139,15 +138,17 @@ class Eagle3Head(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [..., H] -> float32 draft-vocabulary logits [..., Vd]."""
-        return F.linear(self.norm(out), self.lm_head.weight).float()
+        return self.lm_head(self.norm(out)).float()  # a module call: lm_head may be quantised
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
 
 def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.Embedding,
-                dtype: torch.dtype, device: torch.device, max_len: int) -> Eagle3Head:
-    """Load a head strictly and check that it fits the target; errors name the tensor or size."""
+                dtype: torch.dtype, device: torch.device, max_len: int, quantization: str = "none") -> Eagle3Head:
+    """Load a head strictly and check that it fits the target; errors name the tensor or size.
+
+    quantization: the target's mode ("none", "int8", "int4"; see models/quant.quantize_head)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"draft model path {folder} does not exist or is not a folder")
@@ -218,4 +219,8 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
     if t2d is not None and tuple(t2d.shape) != (cfg.vocab_size,):
         raise ValueError(f"{where}: tensor t2d has shape {list(t2d.shape)}, expected [{cfg.vocab_size}]")
     head.eval().requires_grad_(False)
+    if quantization != "none":
+        from augury.models.quant import quantize_head
+
+        quantize_head(head, quantization)
     return head

@@ -8,6 +8,13 @@ with the `gguf` package and stored in `dtype`.
 llama.cpp's converter permutes the rows of attn_q / attn_k from HF's rotate-half
 RoPE layout (per head: first half of the pairs, then the second half) to the
 GGML interleaved layout (per head: pairs adjacent). We undo that here.
+
+Q4_0 / Q4_1 tensors are also written in exact value, unrounded, to a side file
+(`INT4_FILE`, described by `INT4_INDEX`) that augury's loader runs natively as int4
+(models/quant.py): per HF tensor `<name>.codes` uint8 [N, K/2] (column 2i in the low nibble,
+2i+1 in the high), `<name>.scale` float16 [N, K/32] and `<name>.zero` float32 [N, K/32], with
+w = (q - 8) * scale + zero, the int4 kernel's convention: Q4_0 (value d*(q-8)) is scale d,
+zero 0; Q4_1 (value d*q + m) is scale d, zero m + 8d. Rows are in HF order (Q/K unpermuted).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
 _ARCH = "llama"
 
@@ -49,6 +58,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _MISSING = object()
+_Q4_TYPES = {gguf.GGMLQuantizationType.Q4_0: "Q4_0", gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
+_QK4 = 32  # elements per Q4_0 / Q4_1 block
 
 
 def _open(path: Path) -> gguf.GGUFReader:
@@ -179,6 +190,27 @@ def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _repack_q4(t: Any) -> dict[str, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor's blocks -> codes [N, K/2] uint8, scale [N, K/32] float16 (d, exact),
+    zero [N, K/32] float32 (0, or m + 8d rounded once), so that (q - 8) * scale + zero is the
+    block's value: Q4_0 d*(q-8), Q4_1 d*q + m."""
+    rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // _QK4, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
+    if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        zero = (m.astype(np.float64) + 8.0 * d.astype(np.float64)).astype(np.float32)
+        qs = blocks[..., 4:]
+    else:
+        zero = np.zeros(d.shape, dtype=np.float32)
+        qs = blocks[..., 2:]
+    # element j of a block: byte j's low nibble (j < 16), byte j-16's high nibble (j >= 16)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # [N, K] 0..15
+    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [N, K/2]
+    return {"codes": torch.from_numpy(codes), "scale": torch.from_numpy(d.copy()), "zero": torch.from_numpy(zero)}
+
+
 def _load_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor -> torch tensor in `dtype`, shape in torch order (GGUF lists dims reversed)."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -246,17 +278,35 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tensors: dict[str, torch.Tensor] = {}
+        int4: dict[str, torch.Tensor] = {}
+        source_types: dict[str, str] = {}
         for hf_name, shape in expected.items():
-            w = _load_tensor(by_name[hf_to_gguf[hf_name]], dtype)
+            t = by_name[hf_to_gguf[hf_name]]
+            w = _load_tensor(t, dtype)
             if tuple(w.shape) != shape:
                 raise ValueError(f"tensor {hf_name} has shape {tuple(w.shape)}, expected {shape}")
+            source_types[hf_name] = t.tensor_type.name
+            parts = _repack_q4(t) if t.tensor_type in _Q4_TYPES else {}
+            heads = None
             if hf_name.endswith("self_attn.q_proj.weight"):  # [heads * head_dim, hidden]
-                w = _unpermute_rope_rows(w, config["num_attention_heads"])
+                heads = config["num_attention_heads"]
             elif hf_name.endswith("self_attn.k_proj.weight"):  # [kv_heads * head_dim, hidden]
-                w = _unpermute_rope_rows(w, config["num_key_value_heads"])
+                heads = config["num_key_value_heads"]
+            if heads is not None:  # rows permute: so do the int4 rows with their codes and groups
+                w = _unpermute_rope_rows(w, heads)
+                parts = {k: _unpermute_rope_rows(v, heads) for k, v in parts.items()}
             tensors[hf_name] = w.contiguous()
+            int4.update({f"{hf_name}.{k}": v.contiguous() for k, v in parts.items()})
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del tensors
+        if int4:
+            save_file(int4, str(staging / INT4_FILE), metadata={"format": INT4_FORMAT})
+            index = {"format": INT4_FORMAT, "file": INT4_FILE, "group_size": _QK4,
+                     "value": "(q - 8) * scale + zero",
+                     "int4": sorted(n for n, k in source_types.items() if k in _Q4_TYPES.values()),
+                     "source_types": source_types}
+            (staging / INT4_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        del int4
         _save_tokenizer(gguf_path, reader, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from augury.models.config import TargetConfig
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
+from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
 # Tensors some checkpoints carry that no forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,7 +29,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{folder}: shard(s) named in model.safetensors.index.json are missing: {', '.join(missing)}")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT4_FILE)  # not the int4 side file
     if not files:
         raise ValueError(f"{folder} has no .safetensors weights (only safetensors checkpoints are supported)")
     return files
@@ -116,10 +117,72 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
+    """Module path of each linear in the target -> the HF weights whose rows it concatenates."""
+    out: dict[str, tuple[str, ...]] = {}
+    for i in range(len(model.layers)):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        out[m + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")
+        out[m + "self_attn.o_proj"] = (p + "self_attn.o_proj.weight",)
+        out[m + "mlp.gate_up_proj"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        out[m + "mlp.down_proj"] = (p + "mlp.down_proj.weight",)
+    out["lm_head"] = ("model.embed_tokens.weight",) if model.cfg.tie_word_embeddings else ("lm_head.weight",)
+    return out
+
+
+def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> int:
+    """Swap in the int4 weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE):
+    Q4_0/Q4_1 tensors run as int4 in their exact value (scales rounded to `dtype` only); a linear
+    whose source was 8-bit (Q8_0: the demo's tied output layer) runs as int8 per channel,
+    requantised from its dense weights; anything else stays dense. Returns the int4 count."""
+    from augury.models import quant
+
+    index = json.loads((folder / INT4_INDEX).read_text())
+    if index.get("format") != INT4_FORMAT or index.get("group_size") != quant.INT4_GROUP:
+        raise ValueError(f"{folder / INT4_INDEX}: format {index.get('format')!r}, group {index.get('group_size')!r} "
+                         f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
+    int4_names, sources = set(index.get("int4", [])), index.get("source_types", {})
+    device = model.embed_tokens.weight.device
+    threshold = {m: quant.default_row_threshold(m, dtype, device) for m in ("int8", "int4")}
+    count = 0
+    with safe_open(str(folder / INT4_FILE), framework="pt") as f:
+        for path, names in fused_linears(model).items():
+            # tied and not yet given its own copy: the output layer reads the embedding
+            dense = model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
+            new: torch.nn.Module | None = None
+            if all(n in int4_names for n in names):
+                codes = torch.cat([quant.unpack_codes(f.get_tensor(n + ".codes")) for n in names])
+                scale = torch.cat([f.get_tensor(n + ".scale") for n in names])
+                zero = torch.cat([f.get_tensor(n + ".zero") for n in names])
+                if tuple(codes.shape) != tuple(dense.weight.shape):
+                    raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(codes.shape)}, "
+                                     f"expected {list(dense.weight.shape)}")
+                if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
+                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, threshold["int4"])
+                    count += 1
+            elif all(sources.get(n) == "Q8_0" for n in names):
+                new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype, threshold["int8"])
+            if new is not None:
+                parent, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, new.to(device))
+    return count
+
+
+def resolve_quantization(folder: Path, quantization: str) -> str:
+    """"auto" -> "gguf-int4" when a GGUF conversion left native int4 weights, else "none"."""
+    if quantization == "auto":
+        return "gguf-int4" if (folder / INT4_INDEX).is_file() else "none"
+    return quantization
+
+
 def load_target(
-    folder: str | Path, dtype: torch.dtype, device: torch.device, max_len: int
+    folder: str | Path, dtype: torch.dtype, device: torch.device, max_len: int, quantization: str = "none"
 ) -> tuple[TargetModel, TargetConfig]:
-    """Build the target from a checkpoint folder; raises ValueError naming any mismatch."""
+    """Build the target from a checkpoint folder; raises ValueError naming any mismatch.
+
+    quantization: "none" (dense), "int8" / "int4" (quantise the dense weights, models/quant.py),
+    or "auto" (a GGUF conversion's native int4 weights when the folder has them, else dense).
+    The mode the model runs in is left in `model.quantization` ("none", "int8" or "int4")."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"model path {folder} does not exist or is not a folder")
@@ -134,4 +197,12 @@ def load_target(
     copy_strict(target_weight_map(model), tensors, f"target checkpoint {folder}", optional)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
+    mode = resolve_quantization(folder, quantization)
+    if mode == "gguf-int4":
+        load_native_int4(model, folder, dtype)
+        model.quantization = "int4"
+    else:
+        from augury.models.quant import quantize_model
+
+        quantize_model(model, mode, dtype)
     return model, cfg

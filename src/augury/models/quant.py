@@ -1,0 +1,280 @@
+"""Weight-only quantised linears on the kernels torch ships, and the model-wide swap.
+
+Int8Linear: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
+Int4Linear: group 32, asymmetric (a scale and a zero per group), `torch._weight_int4pack_mm_for_cpu`
+on weights packed by `torch._convert_weight_to_int4pack_for_cpu`.
+
+Torch facts these modules stand on (torch 2.13 CPU, checked by tests/test_quant.py):
+- int4 value convention: w = (q - 8) * scale + zero, q in 0..15; `scales_and_zeros` is
+  [K / 32, N, 2] (scale, zero), and the kernel wants N % 16 == 0, K % 32 == 0.
+- both kernels want the scales in the activations' dtype (float32 with float32, bfloat16 with
+  bfloat16); a float32 dequantisation is therefore exact only in float32 mode.
+- both kernels compute each output row independently: a row comes out bit for bit the same
+  alone or inside 8, 12 or 64 rows (measured at 1 and 2 threads, AVX2).
+
+Kernel choice by row count: the quantised kernels cost time linear in the rows (they do not
+block rows), dense GEMMs on CPUs with native bfloat16 do not. Above `row_threshold` rows a
+module runs F.linear on weights dequantised ONCE at load and kept (+2 bytes per weight in 16-bit
+dtypes: +269 MB for the demo); per-call dequantisation measured ~1.7 ns per weight (~230 ms
+per forward of the demo), far above any GEMM saving. The switch is where row-count invariance
+ends: a row computed by the dense path differs in its last bits from the kernel's, so
+speculative verification of more than `row_threshold` rows is exact against plain decoding
+only where both use the same path (always, when the threshold is None).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "int8", "int4")
+# Native int4 weights a GGUF conversion writes beside the dense ones (models/gguf.py)
+INT4_FILE = "augury-int4.safetensors"
+INT4_INDEX = "augury-quant.json"
+INT4_FORMAT = "augury-int4-v1"
+INT4_GROUP = 32
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+
+# Rows above which the dense path runs, for 16-bit activations.
+# - CPUs with native bfloat16 GEMMs (AVX512-BF16 / AMX), the demo's linears per token at 2 threads:
+#   1 row: bf16 F.linear 12-26 ms, int8 kernel 7-8 ms, int4 kernel 6-8 ms; 8 rows: bf16 13-17 ms,
+#   int8 25-28 ms, int4 17-23 ms. The kernels grow ~linearly in rows, bf16 stays ~flat, so
+#   they cross at ~4 (int8) and ~5 (int4) rows.
+# - other CPUs (AVX2: bfloat16 emulated), 3072x576 at 1 thread: 8 rows int4 0.67 ms, int8 0.64 ms,
+#   bf16 F.linear 2.9 ms; 256 rows int4 22 ms, int8 22 ms, bf16 93 ms: the kernels win at
+#   every row count, so there is no switch (None) and no dense copy.
+ROW_THRESHOLD_NATIVE_BF16 = {"int8": 4, "int4": 5}
+# float32 activations: the kernels' float32 path is slow (AVX2, demo per token at one row:
+# int4 277 ms, int8 152 ms, F.linear 45 ms), but float32 is the reference mode: the kernels run
+# at every row count there, so float32 quantised runs are row-count invariant and exact.
+
+
+def native_bf16_gemm() -> bool:
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def default_row_threshold(mode: str, dtype: torch.dtype, device: torch.device) -> int | None:
+    """Rows above which a quantised linear of `mode` takes the dense path (None: never)."""
+    if device.type != "cpu" or dtype == torch.float32 or not native_bf16_gemm():
+        return None
+    return ROW_THRESHOLD_NATIVE_BF16[mode]
+
+
+class _QuantLinear(nn.Module):
+    """Shared forward: the quantised kernel up to `row_threshold` rows, the dense copy above."""
+
+    in_features: int
+    out_features: int
+
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype, row_threshold: int | None) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.row_threshold = row_threshold
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
+        # [out, in] in `dtype`, kept only when a threshold is set
+        self.register_buffer("dense", None, persistent=False)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x [M, in] -> [M, out]
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] weights in `dtype`, as the kernel sees them (computed through the kernel)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.scales_device())
+        return self._kernel(eye).t().contiguous()
+
+    def scales_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised [out, in] weight (for dtype/device/shape queries and training code;
+        computed on each call unless a dense copy is kept)."""
+        return self.dense if self.dense is not None else self.dequantize()
+
+    def keep_dense(self, dense: torch.Tensor) -> None:
+        if self.row_threshold is not None:
+            self.dense = dense.to(self.dtype).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        if self.dense is not None and x2.shape[0] > self.row_threshold:
+            y = F.linear(x2, self.dense, self.bias)
+        else:
+            y = self._kernel(x2.contiguous())
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"dtype={self.dtype}, row_threshold={self.row_threshold}")
+
+
+class Int8Linear(_QuantLinear):
+    """Per-output-channel symmetric int8: w[n, k] = q[n, k] * scale[n], q in -127..127."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, row_threshold: int | None = None) -> None:
+        super().__init__(bias, dtype, row_threshold)
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
+        self.register_buffer("scales", scales.to(dtype).contiguous())  # [N]
+
+    @staticmethod
+    def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   row_threshold: int | None = None) -> "Int8Linear":
+        w = weight.detach().float()  # [N, K]
+        # the scale is rounded to the kernel's dtype first, so the codes fit the scale it will use
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # underflowed in 16 bits
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        mod = Int8Linear(q, scale, bias, dtype, row_threshold)
+        mod.keep_dense(q.float() * scale[:, None])
+        return mod
+
+    def scales_device(self) -> torch.device:
+        return self.scales.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def reference_dequantize(self) -> torch.Tensor:
+        """q * scale in float32 (the value the codes stand for)."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(_QuantLinear):
+    """Group-32 asymmetric int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, row_threshold: int | None = None) -> None:
+        """codes [N, K] integers 0..15; scale, zero [N, K / 32] (any float dtype; rounded to `dtype`)."""
+        super().__init__(bias, dtype, row_threshold)
+        n, k = codes.shape
+        if n % INT4_N_MULTIPLE or k % INT4_GROUP:
+            raise ValueError(f"int4 needs out_features % {INT4_N_MULTIPLE} == 0 and in_features % {INT4_GROUP} == 0, "
+                             f"got [{n}, {k}]")
+        self.out_features, self.in_features = n, k
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2))
+        sz = torch.stack([scale.to(dtype), zero.to(dtype)], dim=-1)  # [N, K/32, 2]
+        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
+        self.keep_dense(int4_values(codes, scale.to(dtype).float(), zero.to(dtype).float()))
+
+    @staticmethod
+    def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   row_threshold: int | None = None) -> "Int4Linear":
+        n, k = weight.shape
+        w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+        # min..max over 16 levels; scale and zero are rounded to the kernel's dtype before the
+        # codes are chosen, so the codes are the nearest for the values the kernel will use
+        scale = ((hi - lo) / 15.0).to(dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group
+        zero = (lo + 8.0 * scale).to(dtype).float()
+        q = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
+        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, row_threshold)
+
+    def scales_device(self) -> torch.device:
+        return self.scales_and_zeros.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+
+def int4_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q - 8) * scale + zero in float32: codes [N, K], scale/zero [N, K/32] -> [N, K]."""
+    n, k = codes.shape
+    q = codes.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    return ((q - 8.0) * scale.float()[..., None] + zero.float()[..., None]).view(n, k)
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K/2] uint8 (INT4_FILE layout: column 2i low nibble, 2i+1 high) -> [N, K] int32 0..15."""
+    return torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1).to(torch.int32)
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
+                    row_threshold: int | None, name: str = "", _warned: set | None = None) -> nn.Module | None:
+    """A quantised module for weight [out, in], or None when `mode` cannot take this shape."""
+    if mode == "int8":
+        return Int8Linear.from_float(weight, bias, dtype, row_threshold)
+    n, k = weight.shape
+    if n % INT4_N_MULTIPLE or k % INT4_GROUP:
+        reason = (f"int4 needs in_features % {INT4_GROUP} == 0 and out_features % {INT4_N_MULTIPLE} == 0 "
+                  f"(torch's int4 kernel)")
+        key = (n, k)
+        if _warned is None or key not in _warned:
+            log.warning("%s [%d, %d] stays dense: %s", name or "a linear", n, k, reason)
+            if _warned is not None:
+                _warned.add(key)
+        return None
+    return Int4Linear.from_float(weight, bias, dtype, row_threshold)
+
+
+def _dense_linears(module: nn.Module):
+    from augury.models.layers import TransposedLinear
+
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Linear, TransposedLinear)):
+            yield name, child
+
+
+def _swap(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
+def quantize_linears(root: nn.Module, mode: str, dtype: torch.dtype, device: torch.device,
+                     skip: tuple[str, ...] = (), row_threshold: int | None | str = "default") -> int:
+    """Swap every nn.Linear / TransposedLinear under `root` (names in `skip` excepted) for its
+    quantised module; returns how many were swapped. Linears the mode cannot take stay dense."""
+    if mode not in MODES:
+        raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "none":
+        return 0
+    threshold = default_row_threshold(mode, dtype, device) if row_threshold == "default" else row_threshold
+    warned: set = set()
+    swapped = 0
+    for name, child in list(_dense_linears(root)):
+        if name in skip:
+            continue
+        new = quantize_linear(child.weight, child.bias, mode, dtype, threshold, name, warned)
+        if new is not None:
+            _swap(root, name, new.to(device))
+            swapped += 1
+    return swapped
+
+
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
+                   row_threshold: int | None | str = "default") -> nn.Module:
+    """Quantise a TargetModel's layer stack and output layer in place (the embedding lookup stays
+    dense; a tied output layer gets its own quantised copy of the embedding). Returns `model`,
+    with `model.quantization` set to the mode."""
+    device = model.embed_tokens.weight.device
+    if mode != "none":
+        quantize_linears(model.layers, mode, dtype, device, row_threshold=row_threshold)
+        out = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+        bias = getattr(model.lm_head, "bias", None) if model.lm_head is not None else None
+        threshold = default_row_threshold(mode, dtype, device) if row_threshold == "default" else row_threshold
+        head = quantize_linear(out, bias, mode, dtype, threshold, "lm_head")
+        if head is not None:
+            model.lm_head = head.to(device)
+    model.quantization = mode
+    return model
+
+
+def quantize_head(head: nn.Module, mode: str, row_threshold: int | None | str = "default") -> nn.Module:
+    """Quantise an EAGLE-3 head's fc, decoder-layer projections and lm_head in place (its
+    embedding, shared with the target, stays dense). `mode` is the target's (`model.quantization`)."""
+    p = head.fc.weight
+    quantize_linears(head, mode, p.dtype, p.device, row_threshold=row_threshold)
+    head.quantization = mode
+    return head
