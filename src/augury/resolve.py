@@ -34,7 +34,7 @@ log = logging.getLogger("augury.resolve")
 DEMO = "demo"
 GGUF_MAGIC = b"GGUF"
 GGUF_MARKER = ".augury-complete"
-CONVERSION_FORMAT = 1  # part of a conversion's cache key: bump it when the converter's output changes
+CONVERSION_FORMAT = 2  # in the cache key; bump when the converter's output changes (2: Q4 blocks also kept as int4)
 _HINT = "pass a Hugging Face checkpoint folder, a llama-architecture .gguf file, or 'demo'"
 
 
