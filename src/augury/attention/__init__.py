@@ -10,11 +10,12 @@ three `prepare_*` methods and needs no change in the model.
 from augury.attention.base import AttentionBackend
 from augury.attention.torch_paged import (
     KEY_ALIGN,
+    CausalNoCache,
     WIDTH_FREE_DTYPES,
     MaskedMetadata,
     TorchPagedBackend,
     masked_metadata,
 )
 
-__all__ = ["KEY_ALIGN", "WIDTH_FREE_DTYPES", "AttentionBackend", "MaskedMetadata", "TorchPagedBackend",
+__all__ = ["KEY_ALIGN", "CausalNoCache", "WIDTH_FREE_DTYPES", "AttentionBackend", "MaskedMetadata", "TorchPagedBackend",
            "masked_metadata"]

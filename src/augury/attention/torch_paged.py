@@ -227,6 +227,14 @@ class TorchStepAttention:
         return out
 
 
+class CausalNoCache:
+    """PagedAttention for a forward that needs no cache (training's frozen target pass): causal
+    attention among the new tokens of each row; nothing is stored."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(q, k, v, None, None, None, True)
+
+
 class TorchPagedBackend:
     """AttentionBackend over one model's paged cache (k_cache/v_cache [layers, slots, nkv, hd]).
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from augury.models.eagle3 import Eagle3Head
 from augury.models.layers import apply_rope
-from augury.models.llama import AttnBatch, TargetModel
+from augury.attention import CausalNoCache
+from augury.models.llama import TargetModel
 
 
 @dataclass
@@ -54,13 +55,9 @@ def target_states(model: TargetModel, ids: torch.Tensor, aux_layers: tuple[int, 
     the target, in a form small enough to keep between epochs (the full logits are not)."""
     b, n = ids.shape
     dev = ids.device
-    # A prefill with no context writes its keys nowhere useful: a one-slot scratch cache.
-    cfg = model.cfg
-    dtype = model.embed_tokens.weight.dtype
-    scratch = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
-    batch = AttnBatch(torch.zeros(b * n, dtype=torch.long, device=dev), None, None, causal=True)
+    # a prefill with no context: causal attention among the row's tokens, no cache kept
     pos = torch.arange(n, device=dev)[None, :].expand(b, n)
-    hidden, aux = model(ids, pos, batch, scratch, scratch.clone(), aux_layers)
+    hidden, aux = model(ids, pos, CausalNoCache(), aux_layers)
     logits = F.linear(hidden, _output_weight(model))  # [B, L, V] in the target's dtype
     return hidden, aux, t2d.to(dev)[logits.argmax(-1)]
 
