@@ -89,12 +89,15 @@ class AuguryServer(uvicorn.Server):
         return 0
 
 
-def _model_folder(model: str) -> str:
-    if model == "demo":
-        from augury.demo import demo_target_dir
-
-        return str(demo_target_dir())
-    return str(Path(model).expanduser().resolve())
+def _folders(settings: ServeSettings) -> dict[str, str | None]:
+    """The folders the engine was built from (resolve.py named them at start-up)."""
+    r = settings.resolved
+    if r is None:  # built from folders directly
+        model, draft = Path(settings.engine.model), settings.engine.draft_model and Path(settings.engine.draft_model)
+    else:
+        model, draft = r.target_dir, r.draft_dir
+    return {"model_folder": str(model.expanduser().resolve()),
+            "draft_model_folder": str(draft.expanduser().resolve()) if draft else None}
 
 
 def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float]) -> AuguryServer:
@@ -102,8 +105,7 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
     failure = FailureLatch()
     loop = EngineLoop(engine, settings.max_queue_size, on_fatal=failure.set)
     metrics = ServerMetrics(lambda: loop.snapshot, settings.served_model_name)
-    described = {**settings.describe(), "model_folder": _model_folder(settings.engine.model),
-                 "draft_model_folder": settings.engine.draft_model and _model_folder(settings.engine.draft_model)}
+    described = {**settings.describe(), **_folders(settings)}
     # every augury module that will serve is imported by now (this module imports the app)
     info = ServerInfo.capture(described, engine, stage_seconds)
     state = ServerState(loop=loop, metrics=metrics, model_name=settings.served_model_name,
