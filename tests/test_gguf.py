@@ -59,7 +59,12 @@ def _tiny_model(tied: bool, rope_scaling: dict | None = None) -> LlamaForCausalL
 
 
 def _write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantizationType,
-                linear_factor: float | None = None) -> None:
+                linear_factor: float | None = None,
+                tensor_types: dict[str, gguf.GGMLQuantizationType] | None = None,
+                written: dict[str, np.ndarray] | None = None) -> None:
+    """tensor_types: GGUF short name ("attn_q", "token_embd", ...) -> quant type, overriding qtype;
+    K-quant tensors get random valid blocks (see _quantized), not the model's weights.
+    written: filled with each 2-D tensor's raw bytes as stored."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -89,10 +94,15 @@ def _write_gguf(model: LlamaForCausalLM, path: Path, qtype: gguf.GGMLQuantizatio
 
     def add(name: str, array: np.ndarray) -> None:
         # 2-D weights may be quantised; norms stay F32 as llama.cpp keeps them.
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = (tensor_types or {}).get(name.split(".")[-2], qtype)
+        if array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            data = _quantized(kind, array, seed=len(written or {}))
+            w.add_tensor(name, data, raw_dtype=kind)
         else:
+            data = array
             w.add_tensor(name, array)
+        if written is not None and array.ndim == 2:
+            written[name] = data
 
     add("token_embd.weight", state["model.embed_tokens.weight"])
     add("output_norm.weight", state["model.norm.weight"])
@@ -209,3 +219,112 @@ def test_unsupported_quant_type_raises(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unsupported quant type I32"):
         convert_gguf_to_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------- quantised tensor types
+QT = gguf.GGMLQuantizationType
+QUANT_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K]
+# Byte ranges of a K-quant block's float16 super-block scales (the rest are packed codes and
+# 6-/8-bit sub-block scales, valid whatever their bits): Q4_K d, dmin first; Q6_K d last.
+_F16_FIELDS = {QT.Q4_K: [(0, 2), (2, 4)], QT.Q6_K: [(208, 210)]}
+
+
+def _quantized(qtype: gguf.GGMLQuantizationType, array: np.ndarray, seed: int = 0) -> np.ndarray:
+    """array [rows, cols] float32 -> its GGUF blocks as bytes [rows, cols / block * block_bytes].
+
+    The gguf package quantises the legacy types; it cannot quantise K-quants, whose blocks are
+    built here instead: random bytes with finite random float16 scales (the array's values are
+    then not used)."""
+    if qtype not in _F16_FIELDS:
+        return gguf.quants.quantize(array, qtype)
+    rows, cols = array.shape
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    assert cols % block == 0
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for a, b in _F16_FIELDS[qtype]:
+        scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float16)
+        raw[..., a:b] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _reference(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """The gguf package's own dequantisation of the bytes written, float32."""
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(shape))
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype == torch.float32 and got.shape == want.shape and \
+        torch.equal(got.contiguous().view(torch.int32), want.contiguous().view(torch.int32))
+
+
+def test_quant_types_dequantise_bit_for_bit(tmp_path: Path) -> None:
+    """One file holding every type (shapes differ, F32 and F16 tensors in between shift the
+    offsets): each tensor loads exactly as gguf.quants.dequantize reads its bytes."""
+    from augury.models.gguf import _load_tensor, _open
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    written: dict[str, tuple[np.ndarray, QT, tuple[int, int]]] = {}
+    for i, qtype in enumerate(QUANT_TYPES):
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        shape = (3 + 2 * i, block * (2 + i % 3))  # [rows, cols]: never square, several blocks a row
+        raw = _quantized(qtype, rng.standard_normal(shape).astype(np.float32), seed=i)
+        w.add_tensor(f"t{i}.{qtype.name}", raw, raw_dtype=qtype)
+        written[f"t{i}.{qtype.name}"] = (raw, qtype, shape)
+        w.add_tensor(f"pad{i}", rng.standard_normal(7 + i).astype(np.float32 if i % 2 else np.float16))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    tensors = {t.name: t for t in _open(path).tensors}
+    for name, (raw, qtype, shape) in written.items():
+        assert tensors[name].tensor_type == qtype
+        want = _reference(raw, qtype, shape)
+        assert torch.isfinite(want).all() and want.unique().numel() > shape[1], name  # not degenerate
+        got = _load_tensor(tensors[name], torch.float32)
+        assert _same_bits(got, want), (name, (got - want).abs().max())
+        assert torch.equal(_load_tensor(tensors[name], torch.bfloat16), want.to(torch.bfloat16)), name
+
+
+def _wide_model() -> LlamaForCausalLM:
+    """Every weight's input width a multiple of 256, as K-quant blocks need."""
+    torch.manual_seed(0)
+    n = len(_tokens()[0])
+    config = LlamaConfig(vocab_size=n, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=n - 2, eos_token_id=n - 1)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def test_mixed_quant_types_convert_bit_for_bit(tmp_path: Path) -> None:
+    """A whole model, each weight in another of the six types (Q and K rows permuted by
+    llama.cpp): every HF tensor the converter writes (float32) is the gguf package's
+    dequantisation of its GGUF tensor, bit for bit, with the Q/K permutation undone."""
+    from safetensors.numpy import load_file
+
+    model = _wide_model()
+    # the K-quants on the permuted Q and K rows (Q8_0 there: test_matches_transformers_gguf_loading)
+    types = dict(token_embd=QT.Q8_0, output=QT.Q6_K, attn_q=QT.Q4_K, attn_k=QT.Q6_K, attn_v=QT.Q4_0,
+                 attn_output=QT.Q4_1, ffn_gate=QT.Q5_0, ffn_up=QT.Q4_K, ffn_down=QT.Q8_0)
+    written: dict[str, np.ndarray] = {}
+    path = tmp_path / "mixed.gguf"
+    _write_gguf(model, path, QT.F32, tensor_types=types, written=written)
+    assert set(types.values()) == set(QUANT_TYPES)
+    out = convert_gguf_to_hf(path, tmp_path / "hf", dtype=torch.float32)
+    hf = {k: torch.from_numpy(v) for k, v in load_file(str(out / "model.safetensors")).items()}
+
+    heads = {"attn_q": 4, "attn_k": 2}
+    gguf_of = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+    for i in range(2):
+        gguf_of.update({f"model.layers.{i}.{m}.weight": f"blk.{i}.{s}.weight" for m, s in GGUF_NAMES.items()
+                        if "norm" not in s})
+    assert len(written) == len(gguf_of)
+    for hf_name, gguf_name in gguf_of.items():
+        short = gguf_name.split(".")[-2]
+        got = hf[hf_name]
+        if short in heads:  # compare in GGUF row order: llama.cpp's own permutation of ours
+            got = torch.from_numpy(_permute_rope_rows(got.numpy(), heads[short]))
+        want = _reference(written[gguf_name], types[short], tuple(hf[hf_name].shape))
+        assert _same_bits(got, want), (hf_name, types[short].name)
+    # and the norms, stored F32, are the model's
+    torch.testing.assert_close(hf["model.norm.weight"], model.model.norm.weight, rtol=0, atol=0)
