@@ -70,6 +70,7 @@ class TargetModel(nn.Module):
     def __init__(self, cfg: TargetConfig, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.quantization = "none"  # the linears' mode once loaded: "none", "int8" or "int4" (models/quant.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -171,7 +171,9 @@ def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, 
             raise ValueError("speculative_algorithm eagle3 needs an EAGLE-3 head (draft_model)")
         from augury.models.eagle3 import load_eagle3
 
-        head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2)
+        # the head's linears run in the target's mode (a native-int4 GGUF target: an int4 head)
+        head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2,
+                           quantization=model.quantization)
     log.info("speculation: %s, tree %s, policy %s", algo, shape, config.speculative_policy)
     branch = config.speculative_ngram_branch
     branch = (AUTO_NGRAM_BRANCH if branch is None else branch) if algo == "eagle3" else 0
