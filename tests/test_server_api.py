@@ -114,6 +114,8 @@ def test_stop_sequence(client: openai.OpenAI, model: str) -> None:
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"n": 0}, "n"),
     ({"extra_body": {"presence_penalty": 1.0}}, "presence_penalty"),
+    ({"extra_body": {"max_draft_tokens": -1}}, "max_draft_tokens"),
+    ({"extra_body": {"max_draft_tokens": 1.5}}, "max_draft_tokens"),
 ])
 def test_completion_bad_requests_are_400(client: openai.OpenAI, model: str, kwargs: dict, param: str) -> None:
     args = {"model": model, "prompt": "hello", "max_tokens": 4, **kwargs}

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM)
+MAX_LOGPROBS = 20  # most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -24,6 +25,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    max_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +50,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.max_draft_tokens is not None and (not isinstance(self.max_draft_tokens, int)
+                                                  or isinstance(self.max_draft_tokens, bool)
+                                                  or self.max_draft_tokens < 0):
+            raise ValueError(f"max_draft_tokens must be a non-negative integer or None, got {self.max_draft_tokens!r}")
 
     @property
     def greedy(self) -> bool:

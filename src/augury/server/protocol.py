@@ -44,6 +44,7 @@ class SamplingFields(_Request):
     user: str | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
+    max_draft_tokens: StrictInt | None = None  # extension (augury): this request's draft budget, 0 = no speculation
 
 
 class CompletionRequest(SamplingFields):
@@ -73,10 +74,19 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
 
 
+class SpeculativeUsage(BaseModel):
+    """augury's extension of usage: the request's speculation figures (its choices summed)."""
+
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted and emitted
+    verify_steps: int = 0  # verification steps (each also emits one token of the target's own)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    speculative: SpeculativeUsage | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -111,7 +111,8 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
     try:  # SamplingParams validates temperature, top_p, ... (once, for every entry point)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
-                              seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos))
+                              seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
+                              max_draft_tokens=req.max_draft_tokens)
     except ValueError as e:  # its messages open with the field's name, which is the request's parameter
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -174,12 +174,14 @@ class AdaptivePolicy:
         return self.shape_for(depth) if depth else None
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
-                timed: bool = True) -> None:
+                timed: bool = True, offered: list[int] | None = None) -> None:
         depth = shape.num_steps if shape else 0
         if shape is not None:
-            # conditional per-depth acceptance: offered at depth i when depth i-1 was accepted
-            for a in accepted:
-                for i in range(min(a + 1, shape.num_steps)):
+            # conditional per-depth acceptance: offered at depth i when depth i-1 was accepted (and
+            # the request's tree reached depth i: its own draft budget may have cut it shorter)
+            for j, a in enumerate(accepted):
+                reach = shape.num_steps if offered is None else min(offered[j], shape.num_steps)
+                for i in range(min(a + 1, reach)):
                     self.off[i] = (1 - EMA) * self.off[i] + EMA * PRIOR_WEIGHT
                     self.acc[i] = (1 - EMA) * self.acc[i] + EMA * PRIOR_WEIGHT * (1.0 if i < a else 0.0)
         if not timed:

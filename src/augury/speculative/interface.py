@@ -65,8 +65,10 @@ class SpeculationPolicy(Protocol):
         ...
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
-                timed: bool = True) -> None:
-        """After a step: its time (timed=False: not representative) and accepted drafts per request."""
+                timed: bool = True, offered: list[int] | None = None) -> None:
+        """After a step: its time (timed=False: not representative) and, per request that drafted,
+        its accepted drafts and the deepest draft depth it was offered (None: the shape's depth;
+        a request's own draft budget may cut its tree shorter)."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None: ...

@@ -31,7 +31,7 @@ class StaticPolicy:
         return self.shape
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
-                timed: bool = True) -> None:
+                timed: bool = True, offered: list[int] | None = None) -> None:
         """Feedback after a step (used by the adaptive policy; nothing to learn here). timed=False:
         the step's time is not representative (it also caught the head up on a backlog)."""
 

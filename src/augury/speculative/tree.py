@@ -18,12 +18,20 @@ import torch
 
 @dataclass
 class DraftTree:
-    """A batch of draft trees, all with the same node count N (rows are padded by the caller's
-    choice of num_nodes, never here)."""
+    """A batch of draft trees as [B, N] tensors, one row per request.
+
+    Rows may use fewer than N nodes: `sizes[b]` is row b's node count, the root included (None:
+    every row uses all N). Nodes at index >= sizes[b] are padding: they are ordinary tree nodes
+    as far as tensors go (a real parent, a depth, a token), so the target forward computes them
+    with the rest of the batch, but verification never offers them as children, so they can
+    never be accepted and they count as no draft. Since every parent precedes its child, the
+    first sizes[b] nodes of a row always form a tree of their own.
+    """
 
     tokens: torch.Tensor   # [B, N] int64; node 0 = root (last committed token)
     parents: torch.Tensor  # [B, N] int64; -1 for the root; parents[b, i] < i for i >= 1
     depth: torch.Tensor    # [B, N] int64; root 0
+    sizes: list[int] | None = None  # [B] real nodes per row (root included); None = N each
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.shape[1] < 1:
@@ -33,6 +41,23 @@ class DraftTree:
                 "DraftTree tokens, parents and depth must share one shape, got "
                 f"{tuple(self.tokens.shape)}, {tuple(self.parents.shape)}, {tuple(self.depth.shape)}"
             )
+        if self.sizes is not None:
+            self.sizes = [int(x) for x in self.sizes]
+            n = self.tokens.shape[1]
+            if len(self.sizes) != self.tokens.shape[0] or any(not 1 <= x <= n for x in self.sizes):
+                raise ValueError(f"DraftTree.sizes must give each of the {self.tokens.shape[0]} rows "
+                                 f"1..{n} nodes, got {self.sizes}")
+
+    def row_sizes(self) -> list[int]:
+        """Real nodes per row, the root included."""
+        return list(self.sizes) if self.sizes is not None else [self.num_nodes] * self.batch_size
+
+    def deepest(self) -> list[int]:
+        """Per row, the depth of its deepest real node (0: the root alone, no draft)."""
+        if self.sizes is None:
+            return self.depth.max(dim=1).values.tolist()
+        real = torch.arange(self.num_nodes)[None, :] < torch.tensor(self.sizes)[:, None]
+        return torch.where(real.to(self.depth.device), self.depth, 0).max(dim=1).values.tolist()
 
     @property
     def batch_size(self) -> int:
@@ -199,3 +224,46 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
     parents = torch.tensor(pars, dtype=torch.long, device=dev)
     return DraftTree(tokens=torch.tensor(toks, dtype=torch.long, device=dev), parents=parents,
                      depth=depth_from_parents(parents))
+
+
+def cap_trees(tree: DraftTree, caps: list[int | None]) -> DraftTree:
+    """Keep at most caps[b] draft nodes in row b (None: no cap): its first caps[b] + 1 nodes,
+    which are ancestor-closed (a parent always precedes its child) and, for select_tree's trees,
+    the best-scored ones; a grafted prompt-lookup branch comes after them and goes first. Columns
+    no row uses any more are cut off; the rest of a shorter row stays as padding (see DraftTree)."""
+    if len(caps) != tree.batch_size:
+        raise ValueError(f"cap_trees: {len(caps)} caps for {tree.batch_size} trees")
+    if any(c is not None and c < 0 for c in caps):
+        raise ValueError(f"cap_trees: caps must be >= 0, got {caps}")
+    sizes = [s if c is None else min(s, c + 1) for s, c in zip(tree.row_sizes(), caps)]
+    n = max(sizes)
+    if n == tree.num_nodes and tree.sizes is None and min(sizes) == n:
+        return tree
+    return DraftTree(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n], depth=tree.depth[:, :n],
+                     sizes=sizes)
+
+
+def with_root_only_rows(tree: DraftTree, rows: list[int], roots: list[int]) -> DraftTree:
+    """A batch of len(rows) + len(roots) trees: `tree`'s rows at positions `rows`, and at every
+    other position (in order) a tree that is just its root (roots[i]): a verification of it is a
+    plain decode step. Its padding nodes are copies of the root hung under it (depth 1), so the
+    batch keeps one [B, N] shape and the forward sees valid positions."""
+    b = len(rows) + len(roots)
+    if tree.batch_size != len(rows) or sorted(set(rows)) != sorted(rows) or any(not 0 <= r < b for r in rows):
+        raise ValueError(f"with_root_only_rows: rows {rows} do not place {tree.batch_size} trees in {b}")
+    n, dev = tree.num_nodes, tree.tokens.device
+    tokens = torch.empty(b, n, dtype=torch.long, device=dev)
+    parents = torch.zeros(b, n, dtype=torch.long, device=dev)
+    depth = torch.ones(b, n, dtype=torch.long, device=dev)
+    others = [i for i in range(b) if i not in set(rows)]
+    idx = torch.tensor(rows, device=dev)
+    tokens[idx], parents[idx], depth[idx] = tree.tokens, tree.parents, tree.depth
+    if others:
+        oth = torch.tensor(others, device=dev)
+        tokens[oth] = torch.tensor(roots, dtype=torch.long, device=dev)[:, None].expand(len(others), n)
+        parents[oth, 0] = -1
+        depth[oth, 0] = 0
+    sizes = [1] * b
+    for r, s in zip(rows, tree.row_sizes()):
+        sizes[r] = s
+    return DraftTree(tokens=tokens, parents=parents, depth=depth, sizes=sizes)

@@ -4,8 +4,9 @@ The walk goes one tree level at a time for the whole batch: each level is one ba
 call on just the rows being visited (argmax, or filters + softmax), at most depth + 1 levels;
 the per-request decisions run on small Python lists. Touching only visited rows matters on
 CPUs, where even an argmax over all B*N*V logits costs more than the walk itself. Each
-sampling request draws exactly N uniforms per step from its own generator, whatever it
-accepts, so its randomness never depends on what else shares the batch.
+sampling request draws exactly as many uniforms per step as its tree has real nodes, from its
+own generator, whatever it accepts, so its randomness never depends on what else shares the
+batch. Padding nodes (past a row's DraftTree.sizes) are never offered as children.
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ class VerifyResult:
         return [[toks[b][i] for i in path[1:]] + [self.bonus_tokens[b]] for b, path in enumerate(self.accepted_nodes)]
 
 
-def _children(parents: list[list[int]]) -> list[list[list[int]]]:
-    """Per request, per node, its children in index order (= descending draft score)."""
+def _children(parents: list[list[int]], sizes: list[int]) -> list[list[list[int]]]:
+    """Per request, per node, its children in index order (= descending draft score); only the
+    row's first sizes[b] nodes count (the rest are padding, never offered)."""
     out = []
-    for row in parents:
+    for row, size in zip(parents, sizes):
         kids: list[list[int]] = [[] for _ in row]
-        for i in range(1, len(row)):
+        for i in range(1, size):
             kids[row[i]].append(i)
         out.append(kids)
     return out
@@ -65,7 +67,7 @@ def _walk(tree: DraftTree, rows: list[int], at: Callable[[list[int], list[int]],
           step: _Step) -> dict[int, tuple[list[int], int]]:
     """Walk the trees of `rows` from their roots one level at a time, fetching target rows only
     for the nodes being visited; returns {row: (accepted node path, bonus token)}."""
-    tokens, kids = tree.tokens.tolist(), _children(tree.parents.tolist())
+    tokens, kids = tree.tokens.tolist(), _children(tree.parents.tolist(), tree.row_sizes())
     path = {b: [0] for b in rows}
     out: dict[int, tuple[list[int], int]] = {}
     active = list(rows)
@@ -166,10 +168,12 @@ def _draw_uniforms(rows: list[int], generators: Sequence[torch.Generator | None]
 
 
 def _sampling_step(tree: DraftTree, rows: list[int], generators: Sequence[torch.Generator | None] | None) -> _Step:
-    """Each request draws N uniforms up front: slots 0..N-2 for child tries (a path tries at most
-    N-1 children), slot N-1 for the bonus."""
-    n = tree.num_nodes
-    uni = _draw_uniforms(rows, generators, n)
+    """Each request draws n uniforms up front, n its tree's real node count: slots 0..n-2 for
+    child tries (a path tries at most n-1 children), slot n-1 for the bonus."""
+    sizes = tree.row_sizes()
+    uni: dict[int, list[float]] = {}
+    for n in sorted({sizes[b] for b in rows}):
+        uni.update(_draw_uniforms([b for b in rows if sizes[b] == n], generators, n))
     used = {b: 0 for b in rows}
 
     def step(active: list[int], kid_toks: list[list[int]], probs: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -191,7 +195,7 @@ def _sampling_step(tree: DraftTree, rows: list[int], generators: Sequence[torch.
         bonus = [-1] * len(active)
         if done:
             toks = _sample_residual(probs[torch.tensor(done, device=probs.device)], done_rej,
-                                    [uni[active[a]][n - 1] for a in done])
+                                    [uni[active[a]][-1] for a in done])
             for a, tok in zip(done, toks):
                 bonus[a] = tok
         return moves, bonus

@@ -20,7 +20,7 @@ from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, TreeShape
-from augury.speculative.tree import DraftTree
+from augury.speculative.tree import DraftTree, cap_trees, with_root_only_rows
 from augury.speculative.verifier import verify
 
 log = logging.getLogger("augury.speculative")
@@ -51,25 +51,40 @@ class Speculator:
         self.policy.observe_plain(batch_size, seconds)
 
     def step(self, host: TargetHost, reqs: list[Request]) -> bool:
-        """Speculate for this decode batch; False means the caller should decode plainly."""
-        shape = self.policy.choose(len(reqs))
+        """Speculate for this decode batch; False means the caller should decode plainly.
+
+        Each request's SamplingParams.max_draft_tokens caps its own tree: 0 keeps it out of
+        drafting (its row in the verification is its root alone, which is exactly a decode step),
+        n keeps its first n draft nodes (see tree.cap_trees). A batch where no request may draft
+        decodes plainly without asking the policy."""
+        caps = [r.params.max_draft_tokens for r in reqs]
+        drafting = [i for i, c in enumerate(caps) if c != 0]
+        shape = self.policy.choose(len(reqs)) if drafting else None
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
         if shape is None or not host.reserve(reqs, shape.num_draft_tokens + self.proposer.extra_nodes):
             host.stats.steps_plain += 1
             return False
+        sub = [reqs[i] for i in drafting]
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
         # itself; its time would make speculation look dear, so the policy only learns its acceptance
-        backlog = max((r.num_computed - r.draft_len for r in reqs), default=0) if self.needs_aux else 0
+        backlog = max((r.num_computed - r.draft_len for r in sub), default=0) if self.needs_aux else 0
         t0 = clock(host.device)
-        tree = self.proposer.propose(host, reqs, shape)
-        accepted = self.verify_and_commit(host, reqs, tree)
+        drafted = self.proposer.propose(host, sub, shape)
+        tree = cap_trees(drafted, [caps[i] for i in drafting])
+        if len(sub) < len(reqs):
+            tree = with_root_only_rows(tree, drafting, [r.last_token_id for i, r in enumerate(reqs) if caps[i] == 0])
+        accepted, offered = self.verify_and_commit(host, reqs, tree)
+        # a step whose trees were cut or that carried root-only rows does not cost what the shape costs
         self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
-                            timed=backlog <= shape.num_steps + 1)
+                            timed=backlog <= shape.num_steps + 1 and tree is drafted, offered=offered)
         host.stats.steps_spec += 1
         return True
 
-    def verify_and_commit(self, host: TargetHost, reqs: list[Request], tree: DraftTree) -> list[int]:
+    def verify_and_commit(self, host: TargetHost, reqs: list[Request],
+                          tree: DraftTree) -> tuple[list[int], list[int]]:
+        """Verify and commit every row; returns, for the rows that drafted (more than a root),
+        the accepted draft count and the deepest draft depth offered."""
         dev = host.device
         n = tree.num_nodes
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux)
@@ -83,7 +98,8 @@ class Speculator:
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                      [r.generator for r in reqs])
         committed = res.committed_tokens(tree)
-        depths = tree.depth.max(dim=1).values.tolist()  # [B] deepest draft offered per request
+        depths = tree.deepest()  # [B] deepest draft offered per request
+        sizes = tree.row_sizes()
         src, dst = [], []
         bs = host.block_size
         for r, path in zip(reqs, res.accepted_nodes):
@@ -93,19 +109,22 @@ class Speculator:
                     dst.append(slot_of(r.block_table, r.num_computed + j, bs))
         if src:
             host.copy_kv_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        accepted = []
+        accepted, offered = [], []
         for b, (r, toks, path) in enumerate(zip(reqs, committed, res.accepted_nodes)):
             m = len(path) - 1
-            accepted.append(m)
-            host.stats.record_verification(depths[b], m, n - 1)  # the verifier's verdict
             # the root and the accepted drafts are now in the cache, with their target features
             host.advance(r, len(toks), aux[b, path] if aux is not None else None)
             kept = host.commit(r, toks)  # fewer than len(toks) when a stop condition cut it short
+            if sizes[b] == 1:  # a root-only row: a plain decode step for this request, not a verification
+                continue
+            accepted.append(m)
+            offered.append(depths[b])
+            host.stats.record_verification(depths[b], m, sizes[b] - 1)  # the verifier's verdict
             # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
             r.spec_stats.num_verify_steps += 1
-            r.spec_stats.num_draft_tokens += n - 1
+            r.spec_stats.num_draft_tokens += sizes[b] - 1
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
-        return accepted
+        return accepted, offered
 
 
 @dataclass(frozen=True)
