@@ -5,6 +5,7 @@ constructor only assigns them, so it cannot exist half-built.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Protocol
@@ -321,7 +322,7 @@ class Engine:
             outs.append(RequestOutput(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 token_ids=list(req.output_token_ids), text=detok.text[: req.num_emitted_chars] if detok else "",
-                finish_reason=req.finish_reason, spec_stats=req.spec_stats,
+                finish_reason=req.finish_reason, spec_stats=dataclasses.replace(req.spec_stats),
                 new_token_ids=new_ids, new_text=new_text,
             ))
             if req.finish_reason is not None:

@@ -142,7 +142,7 @@ def create_app(state: ServerState) -> FastAPI:
                    for i, o in enumerate(outs)]
         return JSONResponse({"id": job.request_id, "object": obj, "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
-                             "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs))})
+                             "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs), outs)})
 
     @app.post("/v1/completions", dependencies=guarded, response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 Engine gauges are read at scrape time from the engine loop's published Snapshot, so a
 scrape never touches the Engine from the HTTP thread. Request-level figures (time to first
-token, end-to-end latency, finish reasons, rejections) are recorded by the handlers.
+token, end-to-end latency, finish reasons, rejections, each speculating request's acceptance
+length) are recorded by the handlers.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prometheus_client.registry import Collector
 from augury.server.engine_loop import Snapshot
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# tokens per verification step (accepted drafts + 1): 1 = nothing accepted
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
 
 
 class _EngineCollector(Collector):
@@ -82,6 +85,10 @@ class ServerMetrics:
                                 labels + ["status"], registry=self.registry)
         self.aborted = Counter("augury:requests_aborted", "Requests aborted because the client went away.",
                                labels, registry=self.registry)
+        self.accept_length = Histogram(
+            "augury:request_spec_accept_length",
+            "Per finished request that speculated: its tokens per verification step (accepted drafts + 1).",
+            labels, buckets=_ACCEPT_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter("augury:prompt_tokens", "Prompt tokens of admitted requests.",
                                      labels, registry=self.registry)
 
@@ -91,6 +98,9 @@ class ServerMetrics:
     def observe_finished(self, reason: str, seconds: float) -> None:
         self.finished.labels(self._model, reason).inc()
         self.e2e.labels(self._model).observe(seconds)
+
+    def observe_accept_length(self, tokens_per_step: float) -> None:
+        self.accept_length.labels(self._model).observe(tokens_per_step)
 
     def observe_rejected(self, status: int) -> None:
         self.rejected.labels(self._model, str(status)).inc()

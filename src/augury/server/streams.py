@@ -22,9 +22,17 @@ from augury.server.errors import APIError, error_body
 from augury.server.serving import Job, ServerState
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput] | None = None) -> dict[str, Any]:
+    """OpenAI's usage, plus augury's extension `speculative`: the speculation figures of the
+    finished choices (their RequestOutput.spec_stats, summed): draft tokens verified, drafts
+    accepted (and emitted) and verification steps; all 0 for a request that never speculated."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    stats = [o.spec_stats for o in finals or []]
+    out["speculative"] = {"draft_tokens": sum(s.num_draft_tokens for s in stats),
+                          "accepted_tokens": sum(s.num_accepted_draft_tokens for s in stats),
+                          "verify_steps": sum(s.num_verify_steps for s in stats)}
+    return out
 
 
 def _failure(exc: BaseException) -> tuple[int, str, str]:
@@ -46,6 +54,8 @@ class _Observer:
             self.state.metrics.observe_ttft(now - self.t0)
         if out.finished:
             self.state.metrics.observe_finished(out.finish_reason or "unknown", now - self.t0)
+            if out.spec_stats.num_verify_steps:
+                self.state.metrics.observe_accept_length(out.spec_stats.accept_length)
 
 
 async def _client_gone(request: Request) -> None:
@@ -114,11 +124,13 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
                             include_usage: bool) -> AsyncIterator[str]:
     base = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
-    observe, generated = _Observer(state, t0), 0
+    observe, generated, finals = _Observer(state, t0), 0, []
     try:
         async for index, out in group.outputs():
             observe(out)
             generated += len(out.new_token_ids)
+            if out.finished:
+                finals.append(out)
             if not out.new_text and not out.finished:
                 continue
             chunk = {**base, "choices": [{"index": index, "text": out.new_text, "logprobs": None,
@@ -127,7 +139,7 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
                 chunk["usage"] = None
             yield _sse(chunk)
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated)})
+            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
     except (RequestFailed, EngineUnavailable) as exc:
         yield _sse(error_body(*_failure(exc)))
     yield "data: [DONE]\n\n"
@@ -138,7 +150,7 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
     base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
-    observe, generated = _Observer(state, t0), 0
+    observe, generated, finals = _Observer(state, t0), 0, []
     try:
         for index in range(len(group)):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -147,13 +159,15 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
         async for index, out in group.outputs():
             observe(out)
             generated += len(out.new_token_ids)
+            if out.finished:
+                finals.append(out)
             if not out.new_text and not out.finished:
                 continue
             delta = {"content": out.new_text} if out.new_text else {}
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
             yield _sse({**base, "choices": [choice], **extra})
         if include_usage:
-            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated)})
+            yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
     except (RequestFailed, EngineUnavailable) as exc:
         yield _sse(error_body(*_failure(exc)))
     yield "data: [DONE]\n\n"
