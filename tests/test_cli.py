@@ -182,6 +182,8 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     (["bench", "--systems", "augury,augury-ngram:5-1-6", "--out", "{tmp}"], ["unknown system", "augury-ngram:5-1-6"]),
     (["bench", "--systems", "augury,augury-static:5-1-9", "--out", "{tmp}"], ["speculative_num_draft_tokens"]),
     (["bench", "--systems", "transformers,vllm", "--out", "{tmp}"], ["unknown system", "vllm"]),
+    (["bench", "--systems", "augury,transformers@int8", "--out", "{tmp}"], ["@MODE", "transformers@int8"]),
+    (["bench", "--systems", "augury,augury@int3", "--out", "{tmp}"], ["@MODE", "augury@int3"]),
     (["bench", "--output-len", "0"], ["--output-len"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts"]),
 ])
@@ -339,3 +341,18 @@ def test_bench_llama_cpp_row_runs_the_same_gguf(tmp_path, monkeypatch) -> None:
     assert set(rows) == {"augury", "llama.cpp"}
     assert rows["llama.cpp"]["output_tokens"] == 6 and rows["llama.cpp"]["tokens_per_s"] > 0
     assert rows["llama.cpp"]["greedy_match"] == 1.0
+
+
+def test_bench_systems_take_a_quantisation_mode(tiny_checkpoint, tmp_path) -> None:
+    """augury-off@int8 runs int8 weights beside the dense reference in one run (the name says so)."""
+    report = _bench(tmp_path, "--model", str(tiny_checkpoint("llama")), "--systems", "augury@none,augury-off@int8",
+                    "--batch-sizes", "1")
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(rows) == {"augury@none", "augury-off@int8"}
+    assert all(r["output_tokens"] == 6 for r in rows.values())
+    from augury.bench import SystemSettings, system_factory
+
+    settings = SystemSettings(str(tiny_checkpoint("llama")), "float32", "cpu", 1, 64)
+    system = system_factory("augury-off@int8")(settings)
+    assert system.name == "augury-off@int8" and system.llm.engine.model.quantization == "int8"
+    assert system_factory("augury-off")(settings).llm.engine.model.quantization == "none"  # dense checkpoint

@@ -231,7 +231,25 @@ SHAPED = ("augury-static", "augury-adaptive")
 
 
 def system_factory(name: str) -> SystemFactory:
-    """The factory for a system name: a registered one, or a speculative one with a tree shape."""
+    """The factory for a system name: a registered one, or a speculative one with a tree shape;
+    an augury system may end in @MODE to run its weights in that quantisation mode (augury-off@none:
+    dense), whatever --quantization says for the others."""
+    base_name, at, mode = name.partition("@")
+    if at:
+        from augury.config import QUANTIZATIONS
+
+        if not base_name.startswith("augury") or mode not in QUANTIZATIONS:
+            raise ValueError(f"system {name!r}: only augury systems take @MODE, MODE one of {', '.join(QUANTIZATIONS)}")
+        inner = system_factory(base_name)
+
+        def with_mode(settings: SystemSettings) -> System:
+            from dataclasses import replace
+
+            system = inner(replace(settings, quantization=mode))
+            system.name = name
+            return system
+
+        return with_mode
     if name in SYSTEMS:
         return SYSTEMS[name]
     base, sep, shape = name.partition(":")
