@@ -20,12 +20,28 @@ class SpecStats:
         return (self.num_accepted_draft_tokens + self.num_verify_steps) / self.num_verify_steps
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the target (raw: log-softmax of the target's float32
+    logits, before temperature, top-k and top-p) and its rank there (1 = the most likely)."""
+
+    logprob: float
+    rank: int
+
+
+# Per position: token id -> Logprob, the chosen token's first, then the top k (vLLM's shape).
+TokenLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class RequestOutput:
     """One request's output. ``token_ids`` and ``text`` hold the generated part only.
 
     ``new_token_ids`` is what this engine step added (for streaming); ``finish_reason``
     is None while running, else "stop" (EOS, stop token or stop string), "length" or "abort".
+    ``logprobs`` (when SamplingParams.logprobs is set): one TokenLogprobs per generated token,
+    ``prompt_logprobs`` (when SamplingParams.prompt_logprobs is set): one per prompt token, None
+    for the first (nothing predicts it). See Logprob for which distribution.
     """
 
     request_id: str
@@ -36,6 +52,8 @@ class RequestOutput:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

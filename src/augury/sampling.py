@@ -77,3 +77,29 @@ def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=
         g = flat[greedy]
         probs[greedy] = torch.nn.functional.one_hot(g.argmax(dim=-1), v).to(probs.dtype)
     return probs.reshape(logits.shape)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]):
+    """logits [R, V] (raw, the target's) -> per row {chosen: Logprob, then the ks[r] most likely}.
+
+    The distribution is the raw one: log_softmax of the float32 logits, before temperature,
+    top-k and top-p (vLLM's default "raw logprobs"), so a token's log-probability is the same
+    however it was sampled. A rank is 1 + the number of tokens strictly more likely."""
+    from augury.outputs import Logprob
+
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)                # [R, V]
+    idx = torch.tensor(chosen, device=lp.device)[:, None]
+    got = lp.gather(1, idx)                                                 # [R, 1]
+    ranks = ((lp > got).sum(dim=1) + 1).tolist()
+    kmax = max(ks, default=0)
+    got = got[:, 0].tolist()
+    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+    top_v = top_v.tolist() if kmax else []
+    top_i = top_i.tolist() if kmax else []
+    out = []
+    for r, tok in enumerate(chosen):
+        d = {tok: Logprob(got[r], ranks[r])}
+        for j in range(ks[r]):
+            d.setdefault(top_i[r][j], Logprob(top_v[r][j], j + 1))
+        out.append(d)
+    return out

@@ -15,6 +15,14 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 or None means no top-k; top_p 1.0 means no
     nucleus cut. ``seed`` makes a request's samples reproducible on its own,
     whatever else shares its batch.
+
+    ``max_draft_tokens`` caps the draft tokens (tree nodes beyond the root) verified for this
+    request per speculative step: None = whatever the policy drafts, 0 = no speculation for this
+    request (its tokens come from plain decode rows), n = at most n.
+
+    ``logprobs`` = k returns, per generated token, its log-probability and the k most likely
+    tokens' (0: the chosen token's alone); ``prompt_logprobs`` = k the same for the prompt's
+    tokens. At most MAX_LOGPROBS. Raw log-probabilities of the target (see outputs.Logprob).
     """
 
     max_tokens: int = 16
@@ -26,6 +34,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     max_draft_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +64,10 @@ class SamplingParams:
                                                   or isinstance(self.max_draft_tokens, bool)
                                                   or self.max_draft_tokens < 0):
             raise ValueError(f"max_draft_tokens must be a non-negative integer or None, got {self.max_draft_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
 
     @property
     def greedy(self) -> bool:

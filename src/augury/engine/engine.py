@@ -25,6 +25,7 @@ from augury.models.config import TargetConfig
 from augury.models.layers import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
+from augury.sampling import token_logprobs
 from augury.sampling_params import SamplingParams
 
 log = logging.getLogger("augury.engine")
@@ -235,16 +236,44 @@ class Engine:
         positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
         hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux())
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
-        for i, (r, row) in enumerate(zip(reqs, rows)):
+        for i, (r, row, c) in enumerate(zip(reqs, rows, ctx)):
+            if r.params.prompt_logprobs is not None:
+                self._prompt_logprobs(r, hidden[i], c, len(row))
             self.advance(r, len(row), aux[i, : len(row)] if aux is not None else None)
         if not done:
             return []
         last = torch.tensor([len(rows[i]) - 1 for i in done], device=self.device)
         logits = self.model.logits(hidden[done, last])  # [D, V]
         finished = [reqs[i] for i in done]
-        for r, tok in zip(finished, sample(logits, finished)):
-            self.commit(r, [tok])
+        toks = sample(logits, finished)
+        lps = self._logprobs(logits, finished, toks)
+        for j, (r, tok) in enumerate(zip(finished, toks)):
+            self.commit(r, [tok], [lps[j]] if lps[j] is not None else None)
         return finished
+
+    def _logprobs(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[dict | None]:
+        """Per request, the chosen token's TokenLogprobs from its row of logits [B, V] (None where
+        the request did not ask for logprobs)."""
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        out: list[dict | None] = [None] * len(reqs)
+        if want:
+            got = token_logprobs(logits[want], [toks[i] for i in want], [reqs[i].params.logprobs for i in want])
+            for i, d in zip(want, got):
+                out[i] = d
+        return out
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, start: int, n: int) -> None:
+        """This chunk fed positions start..start+n-1; the logits at position p give the prompt token at
+        p + 1. Fills the entries not yet known (a recompute after preemption adds nothing)."""
+        prompt_len = len(req.prompt_token_ids)
+        first = len(req.prompt_logprobs) - 1  # position whose logits give the next missing entry
+        last = min(start + n, prompt_len - 1)  # positions first..last-1
+        if last <= max(first, start):
+            return
+        first = max(first, start)
+        logits = self.model.logits(hidden[first - start : last - start])
+        targets = req.prompt_token_ids[first + 1 : last + 1]
+        req.prompt_logprobs.extend(token_logprobs(logits, targets, [req.params.prompt_logprobs] * len(targets)))
 
     def _run_decode(self, batch: ScheduledBatch) -> None:
         reqs = batch.requests
@@ -253,17 +282,22 @@ class Engine:
         hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
                                       self._wants_aux())
         logits = self.model.logits(hidden[:, 0])  # [B, V]
-        for i, (r, tok) in enumerate(zip(reqs, sample(logits, reqs))):
+        toks = sample(logits, reqs)
+        lps = self._logprobs(logits, reqs, toks)
+        for i, (r, tok) in enumerate(zip(reqs, toks)):
             self.advance(r, 1, aux[i, :1] if aux is not None else None)
-            self.commit(r, [tok])
+            self.commit(r, [tok], [lps[i]] if lps[i] is not None else None)
 
     # ------------------------------------------------------------------ commit
-    def commit(self, req: Request, tokens: list[int]) -> int:
-        """Append generated tokens, stopping at the first finishing one; returns how many."""
+    def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int:
+        """Append generated tokens (and their TokenLogprobs, when the request asked for them), stopping
+        at the first finishing one; returns how many."""
         p = req.params
         n = 0
         for tok in tokens:
             req.output_token_ids.append(tok)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[n])
             n += 1
             self.stats.generation_tokens_total += 1
             reason = None
@@ -324,6 +358,8 @@ class Engine:
                 token_ids=list(req.output_token_ids), text=detok.text[: req.num_emitted_chars] if detok else "",
                 finish_reason=req.finish_reason, spec_stats=dataclasses.replace(req.spec_stats),
                 new_token_ids=new_ids, new_text=new_text,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
             ))
             if req.finish_reason is not None:
                 self.requests.pop(req.request_id, None)

@@ -57,6 +57,10 @@ class Request:
         self.num_emitted = 0  # output tokens already reported to the caller
         self.num_emitted_chars = 0  # output text already reported to the caller
         self.text_frozen = False  # a stop string ended the text
+        # SamplingParams.logprobs / prompt_logprobs: one entry per output token (commit appends), and per
+        # prompt token (prefill appends; position 0 has none); kept across a preemption's recompute
+        self.logprobs: list[dict] = []
+        self.prompt_logprobs: list[dict | None] = [None]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ from augury.engine.request import Request
 from augury.engine.timing import clock
 from augury.models.config import TargetConfig
 from augury.models.eagle3 import Eagle3Head
+from augury.sampling import token_logprobs
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, TreeShape
 from augury.speculative.tree import DraftTree, cap_trees, with_root_only_rows
@@ -98,6 +99,7 @@ class Speculator:
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                      [r.generator for r in reqs])
         committed = res.committed_tokens(tree)
+        lps = self._logprobs(host, reqs, res.accepted_nodes, committed, logits_at, hidden)
         depths = tree.deepest()  # [B] deepest draft offered per request
         sizes = tree.row_sizes()
         src, dst = [], []
@@ -114,7 +116,7 @@ class Speculator:
             m = len(path) - 1
             # the root and the accepted drafts are now in the cache, with their target features
             host.advance(r, len(toks), aux[b, path] if aux is not None else None)
-            kept = host.commit(r, toks)  # fewer than len(toks) when a stop condition cut it short
+            kept = host.commit(r, toks, lps[b])  # fewer than len(toks) when a stop condition cut it short
             if sizes[b] == 1:  # a root-only row: a plain decode step for this request, not a verification
                 continue
             accepted.append(m)
@@ -125,6 +127,23 @@ class Speculator:
             r.spec_stats.num_draft_tokens += sizes[b] - 1
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
         return accepted, offered
+
+
+    @staticmethod
+    def _logprobs(host: TargetHost, reqs: list[Request], paths: list[list[int]], committed: list[list[int]],
+                  logits_at, hidden: torch.Tensor) -> list[list[dict] | None]:
+        """TokenLogprobs of each committed token, for the requests that asked: verification already ran
+        the target at every node, and the logits at path node j give the distribution of the token
+        committed after it (the accepted draft j+1, or the bonus after the last one), exactly as a
+        decode step at that position would."""
+        out: list[list[dict] | None] = [None] * len(reqs)
+        for b, r in enumerate(reqs):
+            k = r.params.logprobs
+            if k is None:
+                continue
+            rows = logits_at[b, paths[b]] if isinstance(logits_at, torch.Tensor) else host.target_logits(hidden[b, paths[b]])
+            out[b] = token_logprobs(rows, committed[b], [k] * len(committed[b]))
+        return out
 
 
 @dataclass(frozen=True)
