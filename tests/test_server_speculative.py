@@ -138,3 +138,83 @@ def test_max_draft_tokens_bad_values_are_400(server, tiny):
         r = httpx.post(server.base_url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "max_draft_tokens"
+
+
+# ------------------------------------------------------------------------------- log-probabilities
+
+def _words(tok, ids: list[int]) -> list[str]:
+    return [tok.decode([t]) for t in ids]
+
+
+def test_completion_logprobs_equal_the_engines(client, offline, tiny, prompts):
+    tok = offline.tokenizer
+    want = offline.generate([prompts[0]], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                         logprobs=3, prompt_logprobs=3), use_tqdm=False)[0]
+    assert want.spec_stats.num_accepted_draft_tokens > 0  # some logprobs came from verified drafts
+    kw = dict(model=str(tiny), prompt=prompts[0], max_tokens=16, temperature=0, logprobs=3,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0]
+    lp = out.logprobs
+    assert lp.tokens == _words(tok, want.token_ids)
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for d, t in zip(want.logprobs, want.token_ids)],
+                                              abs=1e-6)
+    for d, top in zip(want.logprobs, lp.top_logprobs):
+        assert top == pytest.approx({tok.decode([i]): x.logprob for i, x in d.items()}, abs=1e-6)
+        assert 3 <= len(top) <= 4
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # streamed: the same tokens and values, spread over the chunks
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset
+    # echo: the prompt's text and logprobs first, its first token without any
+    echo = client.completions.create(**kw, echo=True).choices[0]
+    prompt_text = tok.decode(prompts[0])
+    assert echo.text == prompt_text + out.text
+    n = len(prompts[0])
+    assert echo.logprobs.tokens[:n] == _words(tok, prompts[0]) and echo.logprobs.tokens[n:] == lp.tokens
+    assert echo.logprobs.token_logprobs[0] is None and echo.logprobs.top_logprobs[0] is None
+    assert echo.logprobs.token_logprobs[1:n] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.prompt_logprobs[1:], prompts[0][1:])], abs=1e-6)
+    streamed = list(client.completions.create(**kw, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echo.text
+    assert sum((c.choices[0].logprobs.tokens for c in streamed if c.choices), []) == echo.logprobs.tokens
+
+
+def test_chat_logprobs_equal_the_engines(client, offline, tiny):
+    tok = offline.tokenizer
+    msgs = [{"role": "user", "content": "hello world hello world"}]
+    want = offline.chat(msgs, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)[0]
+    kw = dict(model=str(tiny), messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [c.token for c in content] == _words(tok, want.token_ids)
+    assert [c.logprob for c in content] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.logprobs, want.token_ids)], abs=1e-6)
+    for c, d in zip(content, want.logprobs):
+        ranked = sorted((x for x in d.items() if x[1].rank <= 2), key=lambda x: x[1].rank)
+        assert [t.token for t in c.top_logprobs] == [tok.decode([i]) for i, _ in ranked]
+        assert len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.top_logprobs[0].logprob >= c.logprob
+    streamed = [ch for ch in client.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs]
+    assert [c.token for ch in streamed for c in ch.choices[0].logprobs.content] == [c.token for c in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hello", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hello", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hello", "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+])
+def test_bad_logprobs_are_400(server, path, body, param):
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(server.base_url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import augury
 from augury.server.errors import APIError, install_error_handlers
+from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
@@ -128,8 +129,10 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(state, model_id)
         return card()
 
-    async def answer(body, request: Request, job, t0: float, events, obj: str, choice) -> Response:
-        """The part completions and chat share: admit, then stream or collect one JSON body."""
+    async def answer(body, request: Request, job, t0: float, events, obj: str, choice, logprobs) -> Response:
+        """The part completions and chat share: admit, then stream or collect one JSON body.
+        choice(i, out) -> the choice's own fields; logprobs(tokenizer, i, out) -> its logprobs object
+        (run on the tokenizer thread, only when the request asked for logprobs)."""
         group = admit(state, job)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -138,7 +141,11 @@ def create_app(state: ServerState) -> FastAPI:
         outs = await collect(state, group, request, t0)
         if outs is None:
             return Response(status_code=499)
-        choices = [{"index": i, **choice(o), "logprobs": None, "finish_reason": o.finish_reason}
+        lps: list[Any] = [None] * len(outs)
+        if job.logprobs is not None:
+            tok = state.tokenizer
+            lps = await state.on_tokenizer_thread(lambda: [logprobs(tok, i, o) for i, o in enumerate(outs)])
+        choices = [{"index": i, **choice(i, o), "logprobs": lps[i], "finish_reason": o.finish_reason}
                    for i, o in enumerate(outs)]
         return JSONResponse({"id": job.request_id, "object": obj, "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
@@ -148,8 +155,17 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
         job = await completion_job(state, body)
+
+        def prefix(i: int) -> str:  # echo: the choice's prompt text first
+            return job.prompt_texts[i // job.n] if job.echo else ""
+
+        def logprobs(tok, i: int, o) -> dict[str, Any]:
+            if job.echo:
+                return completion_logprobs(tok, o.prompt_token_ids + o.token_ids, o.prompt_logprobs + o.logprobs)
+            return completion_logprobs(tok, o.token_ids, o.logprobs)
+
         return await answer(body, request, job, t0, completion_events, "text_completion",
-                            lambda o: {"text": o.text})
+                            lambda i, o: {"text": prefix(i) + o.text}, logprobs)
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=ChatCompletionResponse,
               responses=_ERRORS)
@@ -157,6 +173,7 @@ def create_app(state: ServerState) -> FastAPI:
         t0 = time.monotonic()
         job = await chat_job(state, body)
         return await answer(body, request, job, t0, chat_events, "chat.completion",
-                            lambda o: {"message": {"role": "assistant", "content": o.text}})
+                            lambda i, o: {"message": {"role": "assistant", "content": o.text}},
+                            lambda tok, i, o: chat_logprobs(tok, o.token_ids, o.logprobs, job.logprobs))
 
     return app

@@ -40,7 +40,7 @@ class SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: Any = None  # completions: an int k (0..20); chat: a bool
     user: str | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
@@ -71,7 +71,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None  # 0..20, with logprobs: true
 
 
 class SpeculativeUsage(BaseModel):
@@ -92,7 +92,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -113,7 +113,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -134,7 +134,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from augury.sampling_params import SamplingParams
+from augury.sampling_params import MAX_LOGPROBS, SamplingParams
 from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
 from augury.server.errors import APIError, bad_request
 from augury.server.info import ServerInfo
@@ -42,12 +42,17 @@ class ServerState:
 
 @dataclass
 class Job:
-    """One HTTP request's engine work: `n` choices per prompt, choice i of prompt p at p * n + i."""
+    """One HTTP request's engine work: `n` choices per prompt, choice i of prompt p at p * n + i.
+    logprobs: None, or the k of top alternatives per token asked for; echo (completions): each
+    choice's text (and logprobs) start with its prompt's, prompt_texts."""
 
     request_id: str
     prompts: list[list[int]]
     params: list[SamplingParams]
     n: int
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_texts: list[str] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -65,10 +70,10 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def _reject_unsupported(req: SamplingFields, extra: dict[str, Any]) -> None:
-    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logprobs": (None, False)}
+    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
     for name, ok in neutral.items():
         value = getattr(req, name)
-        if name != "logprobs" and isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number", name)
         if value not in ok:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -79,8 +84,16 @@ def _reject_unsupported(req: SamplingFields, extra: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
+def _top_k(value: Any, name: str) -> int:
+    """A count of top alternatives (completions' logprobs, chat's top_logprobs): 0..MAX_LOGPROBS."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+    return value
+
+
 def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
-              default_max: int | None, choice: int) -> SamplingParams:
+              default_max: int | None, choice: int, logprobs: int | None = None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     room = state.max_model_len - prompt_len
     if room < 1:
         raise bad_request(f"the prompt has {prompt_len} tokens; this model's context is {state.max_model_len} "
@@ -112,7 +125,8 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
     try:  # SamplingParams validates temperature, top_p, ... (once, for every entry point)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
                               seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
-                              max_draft_tokens=req.max_draft_tokens)
+                              max_draft_tokens=req.max_draft_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # its messages open with the field's name, which is the request's parameter
         message = str(e)
         param = message.split(" ", 1)[0]
@@ -145,8 +159,9 @@ def _need_tokenizer(state: ServerState) -> Any:
 
 async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
     check_model(state, req.model)
-    _reject_unsupported(req, {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
-                              "suffix": (req.suffix, (None, ""))})
+    _reject_unsupported(req, {"best_of": (req.best_of, (None, 1)), "suffix": (req.suffix, (None, ""))})
+    k = None if req.logprobs is None else _top_k(req.logprobs, "logprobs")
+    echo = bool(req.echo)
     p = req.prompt
     if isinstance(p, str):
         p = [p]
@@ -161,8 +176,18 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
         prompts = await state.on_tokenizer_thread(lambda: [tok.encode(text) for text in p])
     prompts = [_check_ids(ids, state) for ids in prompts]
     n = _check_n(req, len(prompts), state)
-    params = [_sampling(req, req.max_tokens, len(ids), state, 16, c) for ids in prompts for c in range(n)]
-    return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n)
+    texts = None
+    if echo:  # the prompt as sent, or its ids decoded (no tokenizer: no text, as for the output)
+        if all(isinstance(x, str) for x in p):
+            texts = list(p)
+        elif state.tokenizer is not None:
+            tok = state.tokenizer
+            texts = await state.on_tokenizer_thread(lambda: [tok.decode(ids) for ids in prompts])
+        else:
+            texts = [""] * len(prompts)
+    params = [_sampling(req, req.max_tokens, len(ids), state, 16, c, k, k if echo else None)
+              for ids in prompts for c in range(n)]
+    return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n, k, echo, texts)
 
 
 def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -186,8 +211,13 @@ def _render_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
 async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
     fmt = (req.response_format or {}).get("type", "text")
-    _reject_unsupported(req, {"tools": (req.tools or None, (None,)), "response_format": (fmt, ("text",)),
-                              "top_logprobs": (req.top_logprobs, (None, 0))})
+    _reject_unsupported(req, {"tools": (req.tools or None, (None,)), "response_format": (fmt, ("text",))})
+    if req.logprobs is not None and not isinstance(req.logprobs, bool):
+        raise bad_request(f"logprobs must be true or false, got {req.logprobs!r}", "logprobs")
+    top = None if req.top_logprobs is None else _top_k(req.top_logprobs, "top_logprobs")
+    if top and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    k = (top or 0) if req.logprobs else None
     tok = _need_tokenizer(state)
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
@@ -199,8 +229,8 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     _check_ids(ids, state)
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = [_sampling(req, max_tokens, len(ids), state, None, c) for c in range(n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n)
+    params = [_sampling(req, max_tokens, len(ids), state, None, c, k) for c in range(n)]
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k)
 
 
 def admit(state: ServerState, job: Job) -> RequestGroup:

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from augury.outputs import RequestOutput
 from augury.server.engine_loop import EngineUnavailable, RequestFailed, RequestGroup
 from augury.server.errors import APIError, error_body
+from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.serving import Job, ServerState
 
 
@@ -125,15 +126,31 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
     base = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     observe, generated, finals = _Observer(state, t0), 0, []
+    sent: dict[int, int] = {}  # per choice: tokens whose logprobs went out
+    offset: dict[int, int] = {}  # per choice: text_offset of its next token
     try:
         async for index, out in group.outputs():
             observe(out)
             generated += len(out.new_token_ids)
             if out.finished:
                 finals.append(out)
-            if not out.new_text and not out.finished:
+            first = index not in sent
+            if not out.new_text and not out.finished and not (first and job.echo):
                 continue
-            chunk = {**base, "choices": [{"index": index, "text": out.new_text, "logprobs": None,
+            text, logprobs = out.new_text, None
+            if first and job.echo:  # the prompt opens the choice's first chunk
+                text = job.prompt_texts[index // job.n] + text
+            if job.logprobs is not None:
+                ids, entries = out.token_ids[sent.get(index, 0):], out.logprobs[sent.get(index, 0):]
+                if first and job.echo:
+                    ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+                tok = state.tokenizer
+                logprobs = await state.on_tokenizer_thread(completion_logprobs, tok, ids, entries,
+                                                           offset.get(index, 0))
+                if logprobs["tokens"]:
+                    offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            sent[index] = len(out.token_ids)
+            chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                           "finish_reason": out.finish_reason}]}
             if include_usage:
                 chunk["usage"] = None
@@ -156,6 +173,7 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
             yield _sse({**base, "choices": [role], **extra})
+        sent: dict[int, int] = {}  # per choice: tokens whose logprobs went out
         async for index, out in group.outputs():
             observe(out)
             generated += len(out.new_token_ids)
@@ -164,7 +182,13 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             if not out.new_text and not out.finished:
                 continue
             delta = {"content": out.new_text} if out.new_text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+            logprobs = None
+            if job.logprobs is not None:  # every token not sent yet, whether or not it showed text
+                done = sent.get(index, 0)
+                logprobs = await state.on_tokenizer_thread(chat_logprobs, state.tokenizer, out.token_ids[done:],
+                                                           out.logprobs[done:], job.logprobs)
+                sent[index] = len(out.token_ids)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
             yield _sse({**base, "choices": [choice], **extra})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
