@@ -67,7 +67,9 @@ def test_logits_match_transformers(family, tiny_checkpoint, hf_model) -> None:
 
 def test_bfloat16_forward_is_closer_to_float32_than_transformers_bfloat16(tmp_path) -> None:
     """Our bfloat16 forward keeps the residual stream in float32, so on a 12-layer checkpoint its
-    logits sit closer to the float32 reference than transformers' own bfloat16 forward does."""
+    logits sit closer to the float32 reference than transformers' own bfloat16 forward does
+    (mean over four prompts: one prompt's error moves with the last bits of any kernel; measured
+    0.80x of transformers' error, and 0.89x with a bfloat16 residual stream, which this fails)."""
     from transformers import AutoModelForCausalLM
 
     cfg = _hf_config("llama")
@@ -76,12 +78,14 @@ def test_bfloat16_forward_is_closer_to_float32_than_transformers_bfloat16(tmp_pa
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     _randomize(hf, 5)
     hf.save_pretrained(str(tmp_path))
-    prompt = random_prompts([60], seed=5)[0]
-    ref = hf_logits(hf, prompt)
-    hf_err = (hf_logits(hf.to(torch.bfloat16), prompt) - ref).abs().mean().item()
-    ours_err = (augury_logits(tmp_path, prompt, torch.bfloat16) - ref).abs().mean().item()
+    prompts = random_prompts([60] * 4, seed=5)
+    refs = [hf_logits(hf, p) for p in prompts]
+    hf.to(torch.bfloat16)
+    hf_err = sum((hf_logits(hf, p) - r).abs().mean().item() for p, r in zip(prompts, refs)) / len(prompts)
+    ours_err = sum((augury_logits(tmp_path, p, torch.bfloat16) - r).abs().mean().item()
+                   for p, r in zip(prompts, refs)) / len(prompts)
     assert hf_err > 0, "bfloat16 changed nothing; the test would prove little"
-    assert ours_err < 0.8 * hf_err, f"mean |logit error|: ours {ours_err:.4f}, transformers bfloat16 {hf_err:.4f}"
+    assert ours_err < 0.85 * hf_err, f"mean |logit error|: ours {ours_err:.4f}, transformers bfloat16 {hf_err:.4f}"
 
 
 def test_sharded_checkpoint_loads(tiny_checkpoint, hf_model, make_llm) -> None:
