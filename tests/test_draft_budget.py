@@ -183,3 +183,19 @@ def test_sampled_rows_with_budgets_stay_reproducible(ckpts):
     a = [o.token_ids for o in llm.generate(_prompts(3, seed=3), params, use_tqdm=False)]
     b = [o.token_ids for o in llm.generate(_prompts(3, seed=3), params, use_tqdm=False)]
     assert a == b and all(len(t) == 10 for t in a)
+
+
+def test_adaptive_policy_learns_acceptance_only_as_deep_as_a_request_was_offered():
+    """A request capped at depth 1 that accepted its one draft says nothing about depth 2 or 3."""
+    from augury.speculative.adaptive import AdaptivePolicy
+    from augury.speculative.policy import TreeShape
+
+    shape = TreeShape(3, 1, 4)
+    capped, full = AdaptivePolicy(shape, None), AdaptivePolicy(shape, None)
+    for _ in range(20):
+        capped.observe(1, shape, 0.01, [1], offered=[1])
+        full.observe(1, shape, 0.01, [1])
+    fresh = AdaptivePolicy(shape, None)
+    assert capped.off[1:] == fresh.off[1:] and capped.acc[1:] == fresh.acc[1:]
+    assert capped.acc[0] / capped.off[0] > fresh.acc[0] / fresh.off[0]  # depth 1 was learned
+    assert full.acc[1] / full.off[1] < fresh.acc[1] / fresh.off[1]  # uncapped: depth 2 offered and rejected
