@@ -375,3 +375,30 @@ def test_head_whose_fc_does_not_fit_the_aux_layers_is_refused_naming_fc(tmp_path
     head = random_head(tmp_path / "head", aux=None, fc_inputs=2)
     with pytest.raises(StartupError, match=r"draft head.*fc\.weight"):
         _static_eagle3(target, head, (3, 2, 6))
+
+
+def test_drafts_near_the_end_of_the_context_stay_exact(ckpts):
+    """Requests that run into max_model_len: trees verified at the context's end use positions past
+    it (never committed), within the rope table; output equals plain decoding up to 'length'."""
+    prompts = _prompts(4, seed=21)
+    params = _greedy([200] * 4)  # more than fits: every request ends at the context length
+    plain = LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", max_model_len=48,
+                log_stats_interval=0)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], (4, 3, 10), max_model_len=48)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, outs))
+    assert all(o.spec_stats.num_verify_steps > 0 for o in outs)
+    _assert_no_leak(llm)
+
+
+def test_a_position_past_the_rope_table_is_an_error_not_clamped(plain):
+    eng = plain.engine
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    req = eng.requests[rid]
+    eng.step()  # prefill: the request is in the cache
+    attn = eng.attention.prepare_decode([req.block_table], [req.num_computed])
+    with pytest.raises(ValueError, match="past the largest"):
+        eng.run_target([req], [[1]], torch.tensor([[eng.max_position + 1]]), attn, aux=False)
+    eng.abort_request(rid)
