@@ -104,3 +104,11 @@ def bigram_head(path: Path, target_dir: Path, draft_vocab: int = 200, seed: int 
         "lm_head.weight": lm[draft_ids], "d2t": draft_ids - torch.arange(len(order)), "t2d": t2d,
     }
     return write_head(path, _head_config(vocab, len(order), 1, 2 * h, 32), t)
+
+
+def checkpoints(root: Path) -> dict[str, Path]:
+    """The speculation tests' set: a random target with a random head, and a bigram target with the
+    head that predicts it exactly (high acceptance)."""
+    bigram = make_target(root / "bigram", bigram=True)
+    return {"target": make_target(root / "target"), "head": random_head(root / "head"), "bigram": bigram,
+            "bigram_head": bigram_head(root / "bigram_head", bigram)}

@@ -8,7 +8,7 @@ import torch
 from augury import LLM, SamplingParams
 from augury.speculative.tree import DraftTree, cap_trees, depth_from_parents, with_root_only_rows
 from augury.speculative.verifier import verify, verify_greedy, verify_sampling
-from speculative_helpers import bigram_head, make_target, random_head
+from speculative_helpers import checkpoints
 
 
 def _tree(tokens, parents) -> DraftTree:
@@ -73,10 +73,7 @@ def test_padding_nodes_are_never_accepted_greedy_or_sampled():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("budget")
-    bigram = make_target(root / "bigram", bigram=True)
-    return {"target": make_target(root / "target"), "head": random_head(root / "head"), "bigram": bigram,
-            "bigram_head": bigram_head(root / "bigram_head", bigram)}
+    return checkpoints(tmp_path_factory.mktemp("budget"))
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ import torch
 from augury import LLM, SamplingParams
 from augury.sampling_params import MAX_LOGPROBS
 from conftest import hf_logits, random_prompts
-from speculative_helpers import bigram_head, make_target, random_head
+from speculative_helpers import checkpoints
 
 K = 5
 
@@ -79,10 +79,7 @@ def test_sampled_tokens_report_the_raw_distribution(tiny_checkpoint, hf_model, m
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lp")
-    bigram = make_target(root / "bigram", bigram=True)
-    return {"target": make_target(root / "target"), "head": random_head(root / "head"), "bigram": bigram,
-            "bigram_head": bigram_head(root / "bigram_head", bigram)}
+    return checkpoints(tmp_path_factory.mktemp("lp"))
 
 
 def _spec_llm(target, head=None, **kw) -> LLM:

@@ -9,20 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from augury import LLM, SamplingParams
-from speculative_helpers import bigram_head, make_target, random_head
+from speculative_helpers import checkpoints, make_target, random_head
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    target = make_target(root / "target")
-    bigram = make_target(root / "bigram", bigram=True)
-    return {
-        "target": target,
-        "head": random_head(root / "head"),
-        "bigram": bigram,
-        "bigram_head": bigram_head(root / "bigram_head", bigram),
-    }
+    return checkpoints(tmp_path_factory.mktemp("spec"))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -22,7 +22,7 @@ import traceback
 from augury import resolve
 from augury.config import one_line
 from augury.stages import StartupError, stage
-from augury.server.args import ServeSettings, build_parser, settings_from_args
+from augury.server.args import build_parser, settings_from_args
 
 log = logging.getLogger("augury.server")
 HTTP_STAGE = "HTTP"
