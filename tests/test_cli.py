@@ -127,6 +127,9 @@ def test_bench_random_model_side_by_side(tmp_path, capsys) -> None:
         assert r["output_tokens"] == r["batch_size"] * 6
         assert r["greedy_match"] == 1.0  # float32: augury and transformers agree token for token
         assert r["ratio"] == pytest.approx(rows[0 if r["batch_size"] == 1 else 2]["median_s"] / r["median_s"])
+        ref = rows[0 if r["batch_size"] == 1 else 2]
+        assert r["paired_ratios"] == pytest.approx([a / b for a, b in zip(ref["seconds"], r["seconds"])])
+        assert r["paired_ratio"] == pytest.approx(sorted(r["paired_ratios"])[0] / 2 + sorted(r["paired_ratios"])[1] / 2)
         assert r["system"] in table
     assert report["model"]["vocab_size"] == 300 and report["model"]["layers"] == 2
     assert report["environment"]["torch"]

@@ -8,8 +8,9 @@ each sequence ends at its end-of-sequence token instead (at most --output-len), 
 sees it, and every system is measured in the tokens it generated per second.
 After warm-up, the systems take turns (order alternating per repeat, so slow drift in a
 shared machine's load hits all of them alike); the median of the repeats is reported as
-output tokens per second, with the ratio to the reference system (the first one) and how
-many greedy sequences equal the reference's. Process CPU time is recorded beside wall-clock
+output tokens per second, with the ratio to the reference system (the first one), each
+repeat's own ratio (the two systems ran back to back in that repeat: "paired"), their median
+and spread, and how many greedy sequences equal the reference's. Process CPU time is recorded beside wall-clock
 time: on a machine shared with other work it is the steadier of the two (use --threads 1). A table is printed; JSON and a PNG plot are
 written into --out.
 """
@@ -64,6 +65,9 @@ class Row:
     cpu_seconds: list[float]  # this process's CPU time, one per repeat (steadier on a shared machine)
     output_tokens: int  # per repeat: batch_size * output_len, or what was generated with stop_at_eos
     ratio: float = 1.0  # tokens/s over the reference system's (wall-clock medians)
+    # each repeat's tokens/s over the reference's in the same repeat (the two ran back to back, order
+    # alternating), so a noisy machine shows as their spread
+    paired_ratios: list[float] = field(default_factory=list)
     cpu_ratio: float = 1.0  # the same with CPU-time medians
     greedy_match: float = 1.0  # fraction of sequences equal to the reference's
     accept_length: float = 0.0  # speculative systems: tokens per verification step
@@ -81,9 +85,14 @@ class Row:
     def median_cpu_s(self) -> float:
         return statistics.median(self.cpu_seconds)
 
+    @property
+    def paired_ratio(self) -> float:
+        """Median of the paired ratios: the figure to quote on a shared machine."""
+        return statistics.median(self.paired_ratios) if self.paired_ratios else self.ratio
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s,
-                               "median_cpu_s": self.median_cpu_s}
+                               "median_cpu_s": self.median_cpu_s, "paired_ratio": self.paired_ratio}
 
 
 def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -151,8 +160,10 @@ def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
     rows = [Row(s.name, b, seconds[s.name], cpu[s.name], sum(len(o) for o in outputs[s.name]),
                 accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0))
             for s in systems]
+    base = rows[0]
     for row in rows:
-        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
+        row.ratio = row.tokens_per_s / base.tokens_per_s
+        row.paired_ratios = [(row.output_tokens / s) / (base.output_tokens / r) for s, r in zip(row.seconds, base.seconds)]
         row.cpu_ratio = (row.output_tokens / row.median_cpu_s) / (rows[0].output_tokens / rows[0].median_cpu_s)
         row.greedy_match = sum(a == r for a, r in zip(outputs[row.system], outputs[ref])) / len(outputs[ref])
     return rows
@@ -161,13 +172,15 @@ def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
 def format_table(rows: list[Row]) -> str:
     ref = rows[0].system if rows else ""
     head = (f"{'batch':>5}  {'system':<20} {'tok/s':>8} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} "
-            f"{'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9} {'acc len':>8} {'spec %':>7}")
+            f"{'paired':>7} {'paired min..max':>15} {'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9} {'acc len':>8} "
+            f"{'spec %':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r.seconds):.3f}..{max(r.seconds):.3f}"
+        paired = f"{min(r.paired_ratios, default=r.ratio):.2f}..{max(r.paired_ratios, default=r.ratio):.2f}"
         lines.append(f"{r.batch_size:>5}  {r.system:<20} {r.tokens_per_s:>8.1f} {r.median_s:>9.3f} {spread:>15} "
-                     f"{r.ratio:>15.2f}x {r.median_cpu_s:>8.3f} {r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} "
-                     f"{r.accept_length:>8.2f} {r.spec_fraction:>7.0%}")
+                     f"{r.ratio:>15.2f}x {r.paired_ratio:>6.2f}x {paired:>15} {r.median_cpu_s:>8.3f} "
+                     f"{r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} {r.accept_length:>8.2f} {r.spec_fraction:>7.0%}")
     return "\n".join(lines)
 
 
