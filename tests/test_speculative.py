@@ -218,7 +218,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     nodes' key counts straddle a multiple of KEY_ALIGN: one call per padded width, or (merge)
     all padded to the widest."""
     from augury.attention import TorchPagedBackend
-    from augury.speculative.tree import depth_from_parents, tree_attention_mask
+    from augury.speculative.tree import depth_from_parents
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
     eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
@@ -233,9 +233,9 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
 
     backend = TorchPagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=merge)
 
-    def run(table, ids, pos, c, mask=None, tree_parents=None):
+    def run(table, ids, pos, c, tree_parents=None):
         if tree_parents is not None:
-            attn = backend.prepare_tree([table], [c], tree_parents, mask)
+            attn = backend.prepare_tree([table], [c], tree_parents)
         else:
             attn = backend.prepare_prefill([table], [c], [ids.shape[1]])
         with torch.inference_mode():
@@ -243,7 +243,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
 
     for table in tables:
         run(table, prompt, torch.arange(ctx)[None], 0)
-    got = run(tables[1], tokens, ctx + depth, ctx, tree_attention_mask(parents), parents)
+    got = run(tables[1], tokens, ctx + depth, ctx, parents)
     assert got.dtype == torch.bfloat16
     for i in range(n):
         path = [i]
@@ -284,7 +284,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     for bit the one its request gets verified alone, whether the rows share one attention call
     or the gather budget splits them into many."""
     from augury.attention import torch_paged
-    from augury.speculative.tree import depth_from_parents, tree_attention_mask
+    from augury.speculative.tree import depth_from_parents
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
     eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
@@ -301,7 +301,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     def run(which, ids, pos, tree=True):
         c, tbl = [ctxs[i] for i in which], [tables[i] for i in which]
         if tree:
-            attn = backend.prepare_tree(tbl, c, parents[which], tree_attention_mask(parents[which]))
+            attn = backend.prepare_tree(tbl, c, parents[which])
         else:
             attn = backend.prepare_prefill(tbl, c, [ids.shape[1]] * len(which))
         with torch.inference_mode():
@@ -313,7 +313,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     alone = [run([i], tokens[i : i + 1], pos[i : i + 1])[0] for i in range(2)]
     together = run([0, 1], tokens, pos)
     monkeypatch.setattr(torch_paged, "EXACT_CALL_SLOTS", 3 * torch_paged.KEY_ALIGN)
-    one = backend.prepare_tree([tables[1]], [ctxs[1]], parents[:1], tree_attention_mask(parents[:1]))
+    one = backend.prepare_tree([tables[1]], [ctxs[1]], parents[:1])
     assert len(one.exact.groups) == n  # one row a call
     split = run([0, 1], tokens, pos)
     for i in range(2):
@@ -394,3 +394,22 @@ def test_a_position_past_the_rope_table_is_an_error_not_clamped(plain):
     with pytest.raises(ValueError, match="past the largest"):
         eng.run_target([req], [[1]], torch.tensor([[eng.max_position + 1]]), attn, aux=False)
     eng.abort_request(rid)
+
+
+def test_masked_fallback_for_trees_stays_greedy_exact(ckpts, monkeypatch):
+    """When exact attention would take too many calls the backend falls back to one masked call
+    with the tree's ancestor mask (built only then); float32 greedy output is still plain's."""
+    from augury.attention import torch_paged
+
+    monkeypatch.setattr(torch_paged, "MAX_EXACT_GROUPS", 0)  # every step takes the masked path
+    built = []
+    real = torch_paged.tree_attention_mask
+    monkeypatch.setattr(torch_paged, "tree_attention_mask", lambda p: built.append(p.shape) or real(p))
+    prompts, params = _prompts(5, seed=31), _greedy([14, 9, 17, 6, 12])
+    plain = LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = _static_eagle3(ckpts["target"], ckpts["head"], (3, 2, 6), max_num_seqs=8)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert built and all(len(s) == 2 for s in built)  # the masked path really ran, with tree masks
+    _assert_no_leak(llm)

@@ -27,9 +27,8 @@ class AttentionBackend(Protocol):
         """One new token per request."""
         ...
 
-    def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
-                     tree_mask: torch.Tensor) -> PagedAttention:
-        """A draft tree per request: parents [B, N] (-1 for the root), tree_mask [B, N, N] (True = node
-        i may attend to node j: its ancestors and itself). Node i of request b is written to cache
+    def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor) -> PagedAttention:
+        """A draft tree per request: parents [B, N] (-1 for the root; a parent precedes its children).
+        Node i of request b attends to its context, its ancestors and itself, and is written to cache
         position ctx_lens[b] + i."""
         ...

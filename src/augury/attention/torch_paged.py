@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from augury.attention.tree_mask import tree_attention_mask
 from augury.models.layers import attend
 
 # Exact attention (the target's forwards): a single-query row reads its keys in position order,
@@ -276,17 +277,17 @@ class TorchPagedBackend:
                         q_lens: list[int]) -> TorchStepAttention:
         q = max(q_lens)
         parents = torch.full((len(q_lens), 1), -1) if q == 1 else None  # one-token chunks are decode steps
-        return self._prepare(block_tables, ctx_lens, q_lens, parents, None)
+        return self._prepare(block_tables, ctx_lens, q_lens, parents)
 
     def prepare_decode(self, block_tables: list[list[int]], ctx_lens: list[int]) -> TorchStepAttention:
-        return self._prepare(block_tables, ctx_lens, [1] * len(ctx_lens), torch.full((len(ctx_lens), 1), -1), None)
+        return self._prepare(block_tables, ctx_lens, [1] * len(ctx_lens), torch.full((len(ctx_lens), 1), -1))
 
-    def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
-                     tree_mask: torch.Tensor) -> TorchStepAttention:
+    def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor
+                     ) -> TorchStepAttention:
         n = parents.shape[1]
-        return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree_mask)
+        return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
 
-    def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree_mask) -> TorchStepAttention:
+    def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree: bool = False) -> TorchStepAttention:
         q_width, bs, dev = max(q_lens), self.block_size, self.device
         if parents is not None and max(ctx_lens) > 0 and all(x == q_width for x in q_lens):
             bt = _block_table(block_tables, _width(ctx_lens, q_width, bs), dev)
@@ -294,5 +295,7 @@ class TorchPagedBackend:
             rows = exact_rows(parents, bt, bs, ctx_lens, slots.view(len(q_lens), q_width), self.merge_widths)
             if rows is not None:  # no mask needed: every query reads exactly its own keys
                 return TorchStepAttention(self.k_cache, self.v_cache, slots, None, rows, self.compute_dtype)
+        # the masked fallback: a tree's ancestor mask, built only here (the exact path needs none)
+        tree_mask = tree_attention_mask(parents).to(dev) if tree else None
         meta = masked_metadata(block_tables, ctx_lens, q_lens, q_width, bs, dev, tree_mask)
         return TorchStepAttention(self.k_cache, self.v_cache, meta.slot_mapping, meta, None, self.compute_dtype)

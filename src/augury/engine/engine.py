@@ -170,11 +170,8 @@ class Engine:
                        depth: torch.Tensor, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over one draft tree per request (tokens/parents/depth [B, N]): node i sits at
         position num_computed + depth[i] and is written to cache position num_computed + i."""
-        from augury.speculative.tree import tree_attention_mask
-
         ctx = [r.num_computed for r in reqs]
-        attn = self.attention.prepare_tree([r.block_table for r in reqs], ctx, parents.cpu(),
-                                           tree_attention_mask(parents).to(self.device))
+        attn = self.attention.prepare_tree([r.block_table for r in reqs], ctx, parents.cpu())
         positions = torch.tensor(ctx)[:, None] + depth.cpu()  # [B, N]
         return self.run_target(reqs, tokens.tolist(), positions, attn, aux)
 
@@ -213,8 +210,7 @@ class Engine:
             return None
         tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(batch)]  # free at start-up
         chain = (torch.arange(n) - 1).expand(batch, n)
-        mask = torch.ones(n, n, dtype=torch.bool).tril().expand(batch, n, n).to(self.device)
-        attn = self.attention.prepare_tree(tables, [ctx] * batch, chain, mask)
+        attn = self.attention.prepare_tree(tables, [ctx] * batch, chain)
         ids = torch.ones(batch, n, dtype=torch.long, device=self.device)
         pos = (ctx + torch.arange(n)).expand(batch, n).to(self.device)
 
