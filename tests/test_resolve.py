@@ -144,3 +144,14 @@ def test_layers_import_only_downwards(package: str, forbidden: tuple[str, ...]) 
         bad = sorted(n for n in _imports(path) if any(n == f"augury.{f}" or n.startswith(f"augury.{f}.")
                                                       for f in forbidden))
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_engine_meets_speculation_only_in_the_builder() -> None:
+    """The step loop reaches speculation through its Speculator protocol; only the builder (where
+    the pieces are assembled) imports augury.speculative; the attention backends import neither."""
+    for path in sorted((SRC / "engine").glob("*.py")):
+        spec = sorted(n for n in _imports(path) if n.startswith("augury.speculative"))
+        assert not spec or path.name == "builder.py", f"{path.relative_to(SRC)} imports {spec}"
+    for path in sorted((SRC / "attention").glob("*.py")):
+        up = sorted(n for n in _imports(path) if n.startswith(("augury.engine", "augury.speculative")))
+        assert not up, f"{path.relative_to(SRC)} imports {up}"
