@@ -196,3 +196,31 @@ def test_adaptive_policy_learns_acceptance_only_as_deep_as_a_request_was_offered
     assert capped.off[1:] == fresh.off[1:] and capped.acc[1:] == fresh.acc[1:]
     assert capped.acc[0] / capped.off[0] > fresh.acc[0] / fresh.off[0]  # depth 1 was learned
     assert full.acc[1] / full.off[1] < fresh.acc[1] / fresh.off[1]  # uncapped: depth 2 offered and rejected
+
+
+def test_budget_cut_trees_are_verified_packed(ckpts, monkeypatch):
+    """Rows cut short by a budget cost no target rows: the verification forward runs only the real
+    nodes, packed into one row (sum of the rows' sizes), and greedy output stays plain's. The
+    bfloat16 run checks it bit for bit against plain decoding (row-independent kernels)."""
+    for dtype in ("float32", "bfloat16"):
+        target, head = ckpts["target"], ckpts["head"]
+        budgets = [0, 2, None, 1]
+        prompts = _prompts(len(budgets), seed=8)
+        lens = [12, 15, 10, 13]
+        plain = LLM(str(target), dtype=dtype, speculative_algorithm="none", log_stats_interval=0)
+        want = [o.token_ids for o in plain.generate(
+            prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lens], use_tqdm=False)]
+        llm = LLM(str(target), dtype=dtype, draft_model=str(head), speculative_algorithm="eagle3",
+                  speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
+                  speculative_num_draft_tokens=6, speculative_ngram_branch=0, log_stats_interval=0)
+        shapes = []
+        forward = llm.engine.model.forward
+        monkeypatch.setattr(llm.engine.model, "forward", lambda ids, *a, **k: shapes.append(tuple(ids.shape))
+                            or forward(ids, *a, **k))
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, max_draft_tokens=c)
+                  for m, c in zip(lens, budgets)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want, dtype
+        # while all four run, a step verifies 1 + 3 + 6 + 2 real nodes packed, not 4 x 6 padded
+        assert (1, 1 + 3 + 6 + 2) in shapes, shapes
+        assert (4, 6) not in shapes

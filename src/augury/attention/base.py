@@ -32,3 +32,9 @@ class AttentionBackend(Protocol):
         Node i of request b attends to its context, its ancestors and itself, and is written to cache
         position ctx_lens[b] + i."""
         ...
+
+    def prepare_packed_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
+                            sizes: list[int]) -> PagedAttention | None:
+        """As prepare_tree, for only the first sizes[b] nodes of each tree, packed b-major into one
+        row of sum(sizes) queries; None when this backend cannot (the caller pads instead)."""
+        ...

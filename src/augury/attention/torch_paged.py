@@ -121,7 +121,7 @@ def masked_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: 
 
 
 def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_lens: list[int],
-               node_slots: torch.Tensor, merge_widths: bool) -> ExactRows | None:
+               node_slots: torch.Tensor, merge_widths: bool, keep: list[int] | None = None) -> ExactRows | None:
     """Attention that computes each query exactly as plain decoding computes that token.
 
     Query j of request b (a tree node with parents [B, Q], -1 for a root; a decode step is a
@@ -130,7 +130,8 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
     multiple of KEY_ALIGN. One masked attention over a whole tree would sum each node's keys in
     another order and blocking, and in bfloat16 a near-tie would flip a greedy choice. Rows with
     the same padded width share a call (all rows, padded to the widest, with merge_widths).
-    None when a batch would take more than MAX_EXACT_GROUPS calls.
+    None when a batch would take more than MAX_EXACT_GROUPS calls. keep: the flattened rows
+    (b * Q + j) that are real queries, in the order the forward packs them (None: all B * Q).
     """
     b, q = parents.shape
     par = parents.tolist()
@@ -139,7 +140,8 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
         for j in range(1, q):  # a parent comes before its children
             if par[i][j] >= 0:
                 paths[i][j] = paths[i][par[i][j]] + [j]
-    n_keys = [ctx_lens[i] + len(path) for i in range(b) for path in paths[i]]
+    rows_kept = list(range(b * q)) if keep is None else keep
+    n_keys = [ctx_lens[r // q] + len(paths[r // q][r % q]) for r in rows_kept]
     widths = [_align(n) for n in n_keys]
     if merge_widths:
         widths = [max(widths)] * len(widths)
@@ -166,6 +168,9 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
     along = torch.where(along < path_len, along, depth)
     index = torch.where(in_ctx, ctx_slot, path_slot.gather(1, along.expand(b * q, w_max)))
     valid = keys < (ctx + path_len)
+    if keep is not None:  # packed: row k of the call is flattened row keep[k]
+        sel = torch.tensor(keep, device=dev)
+        index, valid = index[sel], valid[sel]
     groups = []
     for w in distinct:
         members = [r for r, x in enumerate(widths) if x == w]
@@ -178,7 +183,7 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
             else:
                 rows = torch.tensor(chunk, device=dev)
             groups.append((rows, index[rows, :w].contiguous().view(-1), valid[rows, :w][:, None, None, :]))
-    return ExactRows(b * q, tuple(groups))
+    return ExactRows(len(rows_kept), tuple(groups))
 
 
 class TorchStepAttention:
@@ -286,6 +291,24 @@ class TorchPagedBackend:
                      ) -> TorchStepAttention:
         n = parents.shape[1]
         return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
+
+    def prepare_packed_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
+                            sizes: list[int]) -> TorchStepAttention | None:
+        """Only the first sizes[b] nodes of each tree, packed into one row of sum(sizes) queries (b-major):
+        node i of request b is still written to cache position ctx_lens[b] + i. None when the exact
+        path cannot take the batch (the caller then verifies the padded trees)."""
+        b, n = parents.shape
+        if min(ctx_lens) <= 0:
+            return None
+        bs, dev = self.block_size, self.device
+        keep = [i * n + j for i in range(b) for j in range(sizes[i])]
+        bt = _block_table(block_tables, _width(ctx_lens, n, bs), dev)
+        slots = _new_slots(bt, ctx_lens, [n] * b, n, bs)
+        rows = exact_rows(parents.cpu(), bt, bs, ctx_lens, slots.view(b, n), self.merge_widths, keep)
+        if rows is None:
+            return None
+        return TorchStepAttention(self.k_cache, self.v_cache, slots[torch.tensor(keep, device=dev)], None, rows,
+                                  self.compute_dtype)
 
     def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree: bool = False) -> TorchStepAttention:
         q_width, bs, dev = max(q_lens), self.block_size, self.device

@@ -167,12 +167,29 @@ class Engine:
         return self.model(ids.to(self.device), positions.to(self.device), attn, layers)
 
     def verify_forward(self, reqs: list[Request], tokens: torch.Tensor, parents: torch.Tensor,
-                       depth: torch.Tensor, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       depth: torch.Tensor, aux: bool, sizes: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over one draft tree per request (tokens/parents/depth [B, N]): node i sits at
-        position num_computed + depth[i] and is written to cache position num_computed + i."""
+        position num_computed + depth[i] and is written to cache position num_computed + i. With
+        sizes (each row's real nodes) the forward runs the real nodes only, packed into one row, and
+        the padding nodes of the returned [B, N, ...] tensors are zeros."""
         ctx = [r.num_computed for r in reqs]
-        attn = self.attention.prepare_tree([r.block_table for r in reqs], ctx, parents.cpu())
+        tables = [r.block_table for r in reqs]
         positions = torch.tensor(ctx)[:, None] + depth.cpu()  # [B, N]
+        b, n = tokens.shape
+        if sizes is not None and sum(sizes) < b * n:
+            attn = self.attention.prepare_packed_tree(tables, ctx, parents.cpu(), sizes)
+            if attn is not None:
+                real = torch.arange(n)[None, :] < torch.tensor(sizes)[:, None]  # [B, N]
+                hidden, feats = self.run_target(reqs, [tokens.cpu()[real].tolist()], positions[real][None], attn, aux)
+                real = real.to(self.device)
+                full = hidden.new_zeros(b, n, hidden.shape[-1])
+                full[real] = hidden[0]
+                if feats is not None:
+                    packed_feats, feats = feats, feats.new_zeros(b, n, feats.shape[-1])
+                    feats[real] = packed_feats[0]
+                return full, feats
+        attn = self.attention.prepare_tree(tables, ctx, parents.cpu())
         return self.run_target(reqs, tokens.tolist(), positions, attn, aux)
 
     def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None:

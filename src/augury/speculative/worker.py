@@ -88,10 +88,17 @@ class Speculator:
         the accepted draft count and the deepest draft depth offered."""
         dev = host.device
         n = tree.num_nodes
-        hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux)
+        # rows a budget cut short are verified packed: padding nodes cost no target rows
+        hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
         # Small batches: every node's logits in one product, reading the output layer once (it is
         # memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
-        if hidden.shape[0] * n <= LOGITS_AT_ONCE:
+        if tree.sizes is not None and sum(tree.sizes) < hidden.shape[0] * n and sum(tree.sizes) <= LOGITS_AT_ONCE:
+            dev_h = hidden.device
+            real = torch.arange(n, device=dev_h)[None, :] < torch.tensor(tree.sizes, device=dev_h)[:, None]  # [B, N]
+            real_logits = host.target_logits(hidden[real])  # [T, V]: the real nodes only
+            logits_at = real_logits.new_zeros(*real.shape, real_logits.shape[-1])  # [B, N, V]; padding never read
+            logits_at[real] = real_logits
+        elif hidden.shape[0] * n <= LOGITS_AT_ONCE:
             logits_at = host.target_logits(hidden)  # [B, N, V]
         else:
             logits_at = lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
