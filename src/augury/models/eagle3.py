@@ -136,6 +136,16 @@ class Eagle3Head(nn.Module):
         out = residual + self.mlp(self.post_attention_layernorm(residual))
         return out, k, v
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (read off a norm, which stays dense: a quantised linear's .weight
+        would dequantise the whole layer to answer)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [..., H] -> float32 draft-vocabulary logits [..., Vd]."""
         return self.lm_head(self.norm(out)).float()  # a module call: lm_head may be quantised

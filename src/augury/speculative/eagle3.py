@@ -34,8 +34,8 @@ class Eagle3Proposer:
         self.ngram_branch = ngram_branch
         self.extra_nodes = ngram_branch
         self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
-        self.dtype = head.fc.weight.dtype
-        self.device = head.fc.weight.device
+        self.dtype = head.dtype
+        self.device = head.device
         # the head's own one-layer cache, addressed through the target's block tables
         self.cache = KVCache(1, num_blocks, block_size, head.nkv, head.hd, self.dtype, self.device)
 

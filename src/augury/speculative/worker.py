@@ -87,19 +87,12 @@ class Speculator:
         """Verify and commit every row; returns, for the rows that drafted (more than a root),
         the accepted draft count and the deepest draft depth offered."""
         dev = host.device
-        n = tree.num_nodes
         # rows a budget cut short are verified packed: padding nodes cost no target rows
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
-        # Small batches: every node's logits in one product, reading the output layer once (it is
-        # memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
-        if tree.sizes is not None and sum(tree.sizes) < hidden.shape[0] * n and sum(tree.sizes) <= LOGITS_AT_ONCE:
-            dev_h = hidden.device
-            real = torch.arange(n, device=dev_h)[None, :] < torch.tensor(tree.sizes, device=dev_h)[:, None]  # [B, N]
-            real_logits = host.target_logits(hidden[real])  # [T, V]: the real nodes only
-            logits_at = real_logits.new_zeros(*real.shape, real_logits.shape[-1])  # [B, N, V]; padding never read
-            logits_at[real] = real_logits
-        elif hidden.shape[0] * n <= LOGITS_AT_ONCE:
-            logits_at = host.target_logits(hidden)  # [B, N, V]
+        # Small batches: every real node's logits in one product, reading the output layer once (it
+        # is memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
+        if sum(tree.row_sizes()) <= LOGITS_AT_ONCE:
+            logits_at = self._real_node_logits(host, hidden, tree)  # [B, N, V]
         else:
             logits_at = lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
         ps = [r.params for r in reqs]
@@ -135,6 +128,18 @@ class Speculator:
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
         return accepted, offered
 
+    @staticmethod
+    def _real_node_logits(host: TargetHost, hidden: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """hidden [B, N, H] -> logits [B, N, V] of every real node; padding nodes (past a row's size,
+        never read by the verifier) stay zero and cost no output-layer rows."""
+        if tree.sizes is None:
+            return host.target_logits(hidden)
+        n, dev = tree.num_nodes, hidden.device
+        real = torch.arange(n, device=dev)[None, :] < torch.tensor(tree.sizes, device=dev)[:, None]  # [B, N]
+        real_logits = host.target_logits(hidden[real])  # [T, V]
+        logits = real_logits.new_zeros(*real.shape, real_logits.shape[-1])
+        logits[real] = real_logits
+        return logits
 
     @staticmethod
     def _logprobs(host: TargetHost, reqs: list[Request], paths: list[list[int]], committed: list[list[int]],
@@ -148,7 +153,10 @@ class Speculator:
             k = r.params.logprobs
             if k is None:
                 continue
-            rows = logits_at[b, paths[b]] if isinstance(logits_at, torch.Tensor) else host.target_logits(hidden[b, paths[b]])
+            if isinstance(logits_at, torch.Tensor):
+                rows = logits_at[b, paths[b]]
+            else:
+                rows = host.target_logits(hidden[b, paths[b]])
             out[b] = token_logprobs(rows, committed[b], [k] * len(committed[b]))
         return out
 
@@ -171,7 +179,7 @@ class DraftPlan:
             return 0
         from augury.engine.kv_cache import KVCache
 
-        return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.fc.weight.dtype)
+        return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.dtype)
 
     def build(self, num_blocks: int, block_size: int, max_num_seqs: int) -> Speculator:
         if self.algorithm == "ngram":
