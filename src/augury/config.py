@@ -51,6 +51,7 @@ class EngineConfig:
     # as int4), else dense; none forces dense; int8 per channel; int4 group 32
     quantization: str = "auto"
     threads: int | None = None  # torch intra-op threads (None: the default, see engine/builder.py)
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes earlier requests computed
 
     @staticmethod
     def create(**kwargs: Any) -> "EngineConfig":
@@ -103,6 +104,8 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) \
                 or not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.log_stats_interval, (int, float)) or not self.log_stats_interval >= 0:
             raise ValueError(f"log_stats_interval must be a number >= 0, got {self.log_stats_interval!r}")
         tree = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
@@ -215,6 +218,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("speculative_disable_batch_threshold", "--speculative-disable-batch-threshold", int,
            "no speculation while more than this many requests generate at once",
            env="AUGURY_SPEC_DISABLE_BATCH_THRESHOLD", default_help="never off", metavar="N"),
+    Option("enable_prefix_caching", "--enable-prefix-caching", bool,
+           "reuse the KV cache of a prompt prefix an earlier request computed (a shared system prompt, "
+           "document or conversation so far); --no-enable-prefix-caching computes every prompt whole"),
     Option("log_stats_interval", "--log-stats-interval", float,
            "seconds between engine statistics log lines (0: off)", metavar="S"),
 )
@@ -240,7 +246,10 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = Non
         text = shown.help_text(extra["default"] if own else _UNSET, env=not own,
                                show_default=not extra.get("required"))
         kwargs: dict[str, Any] = {"dest": opt.name, "type": opt.type, "default": None, "metavar": opt.metavar,
-                                  "help": text, **extra}
+                                  "help": text}
+        if opt.type is bool:  # --flag / --no-flag
+            kwargs = {"dest": opt.name, "default": None, "action": argparse.BooleanOptionalAction, "help": text}
+        kwargs.update(extra)
         parser.add_argument(*flags, **kwargs)
 
 

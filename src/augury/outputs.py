@@ -42,6 +42,7 @@ class RequestOutput:
     ``logprobs`` (when SamplingParams.logprobs is set): one TokenLogprobs per generated token,
     ``prompt_logprobs`` (when SamplingParams.prompt_logprobs is set): one per prompt token, None
     for the first (nothing predicts it). See Logprob for which distribution.
+    ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache at admission.
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def finished(self) -> bool:

@@ -78,7 +78,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         needed = config.max_num_seqs * -(-(max_len + DRAFT_SLACK) // bs) + 1
         budget = int(config.kv_cache_memory_gb * 2**30) // (per_token * bs)
         num_blocks = config.num_kv_blocks or max(2, min(needed, budget))
-        allocator = BlockAllocator(num_blocks, bs)
+        allocator = BlockAllocator(num_blocks, bs, enable_caching=config.enable_prefix_caching)
         # a lone request must fit whole, its draft tree included
         max_len = min(max_len, allocator.num_usable * bs - DRAFT_SLACK)
         if max_len < MIN_CONTEXT:
@@ -130,3 +130,4 @@ def run_warmup(engine: Engine) -> None:
     if engine.speculator is not None:
         engine.speculator.after_warmup(engine)
     engine.stats = EngineStats()  # the warm-up is not traffic
+    engine.scheduler.prefix_queries = engine.scheduler.prefix_hits = 0

@@ -80,7 +80,9 @@ class Engine:
         self.dtype = kv.k.dtype
         self.attention = attention
         self.speculator = speculator
-        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        # a prefix-cache hit stops short of the head's catch-up window, so the head sees the same features
+        tail = speculator.catch_up_window if speculator is not None and speculator.needs_aux else 1
+        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens, tail)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -121,6 +123,10 @@ class Engine:
         if req is not None and req.status is not Status.FINISHED:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks that running requests hold stay theirs)."""
+        self.allocator.reset_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,6 +229,9 @@ class Engine:
         hold is garbage, and nothing is committed); None if the free blocks do not suffice. For start-up
         profiling only: call it while no request runs."""
         per_req = -(-(ctx + n) // self.block_size)
+        if self.allocator.num_free != self.allocator.num_usable:
+            raise RuntimeError("scratch_forward needs an idle engine: requests hold KV blocks")
+        self.reset_prefix_cache()  # the scratch forward overwrites whatever the cached blocks hold
         if batch * per_req > self.allocator.num_free:
             return None
         tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(batch)]  # free at start-up
@@ -373,6 +382,7 @@ class Engine:
                 new_token_ids=new_ids, new_text=new_text,
                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                 prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+                num_cached_tokens=req.num_cached_tokens,
             ))
             if req.finish_reason is not None:
                 self.requests.pop(req.request_id, None)

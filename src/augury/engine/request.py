@@ -29,9 +29,13 @@ class Request:
     drafting pass consumes them (catch-up after steps without speculation), bar the oldest
     draft_skip ones when more than a window piled up.
 
+    A prefix-cache hit at admission starts num_computed (and draft_len) at the hit: the head
+    reads zeros at those positions, as it would after the catch-up window dropped them.
+
     Who writes what: the engine appends output tokens (`commit`) and advances num_computed
-    (`advance`); the scheduler owns status and block_table (and `reset_for_recompute` on
-    preemption); the EAGLE-3 proposer owns draft_len and consumes the pending features the engine
+    (`advance`); the scheduler owns status, block_table and the prefix-cache fields (and
+    `reset_for_recompute` on preemption, `start_from_cache` on a hit); the EAGLE-3 proposer
+    owns draft_len and consumes the pending features the engine
     adds; the engine's emit step owns num_emitted, num_emitted_chars and text_frozen.
     """
 
@@ -45,6 +49,13 @@ class Request:
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
         self.num_computed = 0
+        # prefix caching (the scheduler's): keys of the leading full blocks (from the tokens alone, so
+        # kept across a preemption), how many leading table blocks are offered to the cache, and how
+        # many came from it at admission (their tokens were never computed for this request)
+        self.block_keys: list[bytes] = []
+        self.num_registered = 0
+        self.num_cached_blocks = 0
+        self.num_cached_tokens = 0
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -107,10 +118,20 @@ class Request:
         self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
         return skip, feats
 
+    def start_from_cache(self, blocks: list[int], block_size: int) -> None:
+        """Admitted with these cached blocks as the start of its block table: their KV is this
+        request's first len(blocks) * block_size positions, computed by another request."""
+        n = len(blocks) * block_size
+        self.block_table = list(blocks)
+        self.num_computed = self.draft_len = self.num_cached_tokens = n
+        self.num_cached_blocks = self.num_registered = len(blocks)
+
     def reset_for_recompute(self) -> None:
         """Preempted: the cache is gone; recompute everything (outputs are kept)."""
         self.block_table = []
         self.num_computed = 0
+        self.num_registered = 0
+        self.num_cached_blocks = 0
         self.draft_len = 0
         self.pending_aux = []
         self.num_pending = 0

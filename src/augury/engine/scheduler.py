@@ -4,13 +4,21 @@ Prefill work (new or preempted requests, chunked to the token budget) goes first
 every running request decodes. When the cache runs out of blocks during decode, the most
 recently admitted request is preempted: its blocks are freed and it is recomputed later
 from its prompt plus what it had generated. Nothing is ever dropped.
+
+Prefix caching (engine/kv_cache.py keeps the blocks): a request's full blocks are offered to
+the cache as soon as all their tokens' KV is committed, and when it leaves (finished, aborted
+or preempted). A waiting request is admitted with the longest run of its leading full blocks
+found there, up to `keep_tail` tokens short of its end: at least one token is always computed
+(its logits give the next one), and with an EAGLE-3 head its catch-up window is computed too,
+so the head sees the same target features as without the cache. A request asking for prompt
+log-probabilities computes its whole prompt.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from augury.engine.kv_cache import BlockAllocator
+from augury.engine.kv_cache import BlockAllocator, block_key
 from augury.engine.request import Request, Status
 
 
@@ -22,13 +30,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 keep_tail: int = 1) -> None:
         self.allocator = allocator
+        self.keep_tail = max(1, keep_tail)  # tokens at the end of a prefill a cache hit never covers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens admitted requests had to prefill, before any cache hit
+        self.prefix_hits = 0  # of those, tokens whose KV came from the prefix cache
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -42,11 +54,15 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.cache_blocks(req)
         self.allocator.free(req.block_table)
         req.block_table = []
         req.status = Status.FINISHED
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.allocator.enable_caching:
+            for req in self.running:
+                self.cache_blocks(req)
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -79,12 +95,24 @@ class Scheduler:
                 width = max(width, n)
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            hit = self._match(req)
+            req.num_computed = len(hit) * self.allocator.block_size  # what fit() measures from
             n = fit(req)
             if n == 0:
+                req.num_computed = 0
                 break
+            for b in hit:
+                self.allocator.take(b)
+            table = list(hit)
             # blocks for the whole sequence so far plus the first new token
-            if not self.allocator.grow(req.block_table, req.num_tokens + 1):
+            if not self.allocator.grow(table, req.num_tokens + 1):
+                self.allocator.free(hit)
+                req.num_computed = 0
                 break
+            req.start_from_cache(hit, self.allocator.block_size)
+            req.block_table = table
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += req.num_computed
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -125,7 +153,51 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.cache_blocks(req)
         self.allocator.free(req.block_table)
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ prefix cache
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Of the tokens admitted requests had to prefill, the fraction the prefix cache served."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def _keys(self, req: Request, n: int) -> list[bytes]:
+        """Keys of req's first n full blocks (n * block_size <= num_tokens)."""
+        keys, bs, ids = req.block_keys, self.allocator.block_size, req.all_token_ids
+        while len(keys) < n:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else None, ids[i * bs : (i + 1) * bs]))
+        return keys
+
+    def _match(self, req: Request) -> list[int]:
+        """The cached blocks holding req's longest cached prefix (no references taken)."""
+        if not self.allocator.enable_caching or req.params.prompt_logprobs is not None:
+            return []
+        bs = self.allocator.block_size
+        n = max(0, req.num_tokens - self.keep_tail) // bs
+        ids = req.all_token_ids
+        hit = []
+        for i, key in enumerate(self._keys(req, n)):
+            b = self.allocator.lookup(key, ids[i * bs : (i + 1) * bs])
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def cache_blocks(self, req: Request) -> None:
+        """Offer req's full blocks whose every token's KV is committed to the prefix cache."""
+        if not self.allocator.enable_caching:
+            return
+        bs = self.allocator.block_size
+        # positions past num_tokens may hold KV of tokens a stop condition cut off
+        full = min(req.num_computed, req.num_tokens, len(req.block_table) * bs) // bs
+        if full <= req.num_registered:
+            return
+        keys, ids = self._keys(req, full), req.all_token_ids
+        for i in range(req.num_registered, full):
+            self.allocator.register(req.block_table[i], keys[i], ids[i * bs : (i + 1) * bs])
+        req.num_registered = full

@@ -55,8 +55,9 @@ class EngineStats:
         self._last_log, self._last_tokens = now, self.generation_tokens_total
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rates()[:8])
         log.info(
-            "running: %d, waiting: %d, gen throughput: %.1f tok/s, kv usage: %.2f, accept len: %.2f, "
-            "draft tokens/req: %d, accept rate per position: [%s]",
-            engine.num_running, engine.num_waiting, rate, engine.allocator.usage, self.accept_length,
+            "running: %d, waiting: %d, gen throughput: %.1f tok/s, kv usage: %.2f, prefix cache hit rate: %.1f%%, "
+            "accept len: %.2f, draft tokens/req: %d, accept rate per position: [%s]",
+            engine.num_running, engine.num_waiting, rate, engine.allocator.usage,
+            100 * engine.scheduler.prefix_hit_rate, self.accept_length,
             self.last_draft_tokens, rates,
         )

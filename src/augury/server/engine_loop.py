@@ -57,6 +57,8 @@ class Snapshot:
     steps_plain: int = 0
     draft_size_steps: tuple[tuple[int, int], ...] = ()  # (draft tokens chosen, decode steps that chose it)
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens admitted requests had to prefill
+    prefix_cache_hits: int = 0  # of those, tokens served from the prefix cache
     step_errors: int = 0
     alive: bool = False
 
@@ -265,6 +267,7 @@ class EngineLoop:
             steps_spec=stats.steps_spec, steps_plain=stats.steps_plain,
             draft_size_steps=tuple(sorted(self._draft_sizes.items())),
             num_preemptions=engine.scheduler.num_preemptions, step_errors=self._step_errors, alive=alive,
+            prefix_cache_queries=engine.scheduler.prefix_queries, prefix_cache_hits=engine.scheduler.prefix_hits,
         )
 
 

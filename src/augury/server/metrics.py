@@ -38,6 +38,9 @@ class _EngineCollector(Collector):
         yield self._gauge("augury:kv_cache_usage_ratio", "Fraction of usable KV cache blocks in use.", s.kv_usage)
         yield self._gauge("augury:kv_cache_free_blocks", "Free KV cache blocks.", s.kv_free_blocks)
         yield self._gauge("augury:kv_cache_usable_blocks", "Usable KV cache blocks.", s.kv_usable_blocks)
+        yield self._gauge("augury:prefix_cache_hit_rate",
+                          "Of the prompt tokens admitted requests had to prefill, the fraction served from the "
+                          "prefix cache.", s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
         yield self._gauge("augury:engine_alive", "1 while the engine loop is serving.", 1.0 if s.alive else 0.0)
         yield self._gauge("augury:spec_accept_length",
                           "Mean tokens emitted per speculative verification (accepted drafts + 1).", s.accept_length)
@@ -61,6 +64,9 @@ class _EngineCollector(Collector):
             ("augury:spec_steps", "Decode steps that speculated.", s.steps_spec),
             ("augury:plain_steps", "Decode steps without speculation.", s.steps_plain),
             ("augury:num_preemptions", "Requests preempted for lack of KV cache.", s.num_preemptions),
+            ("augury:prefix_cache_queries", "Prompt tokens admitted requests had to prefill (a preempted "
+             "request's recomputation included).", s.prefix_cache_queries),
+            ("augury:prefix_cache_hits", "Of those, tokens served from the prefix cache.", s.prefix_cache_hits),
             ("augury:engine_step_errors", "Engine steps that raised (requests in flight were failed).",
              s.step_errors),
         ):

@@ -82,10 +82,15 @@ class SpeculativeUsage(BaseModel):
     verify_steps: int = 0  # verification steps (each also emits one token of the target's own)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
     speculative: SpeculativeUsage | None = None
 
 

@@ -24,11 +24,15 @@ from augury.server.serving import Job, ServerState
 
 
 def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput] | None = None) -> dict[str, Any]:
-    """OpenAI's usage, plus augury's extension `speculative`: the speculation figures of the
+    """OpenAI's usage (with prompt_tokens_details.cached_tokens), plus augury's extension `speculative`: the speculation figures of the
     finished choices (their RequestOutput.spec_stats, summed): draft tokens verified, drafts
     accepted (and emitted) and verification steps; all 0 for a request that never speculated."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
+    # OpenAI's prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (of the
+    # choices sharing one prompt, the most any of them was served)
+    cached = max((o.num_cached_tokens for o in finals or []), default=0)
+    out["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt_tokens)}
     stats = [o.spec_stats for o in finals or []]
     out["speculative"] = {"draft_tokens": sum(s.num_draft_tokens for s in stats),
                           "accepted_tokens": sum(s.num_accepted_draft_tokens for s in stats),

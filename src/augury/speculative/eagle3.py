@@ -1,7 +1,7 @@
 """EAGLE-3 drafting: catch the head up on target features, then grow an EAGLE-2 tree.
 
 Draft position p pairs the target's hidden state h_p with token p+1. The head's KV cache
-shares the target's block tables; tree expansion never writes it (tree keys live in
+shares the target's block tables (but for prefix-cache hits, see Eagle3Proposer.head_table); tree expansion never writes it (tree keys live in
 scratch tensors), so rejected branches cannot leave anything behind.
 """
 from __future__ import annotations
@@ -36,8 +36,18 @@ class Eagle3Proposer:
         self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
         self.dtype = head.dtype
         self.device = head.device
-        # the head's own one-layer cache, addressed through the target's block tables
-        self.cache = KVCache(1, num_blocks, block_size, head.nkv, head.hd, self.dtype, self.device)
+        # the head's own one-layer cache, addressed through the target's block tables, plus one block
+        # of zeros that stands for the blocks a request took from the prefix cache (see head_table)
+        self.cache = KVCache(1, num_blocks + 1, block_size, head.nkv, head.hd, self.dtype, self.device)
+        self.zero_block = num_blocks
+
+    def head_table(self, r: Request) -> list[int]:
+        """Where the head's KV of r lives: the target's block table, except that the blocks r took from
+        the prefix cache read the zero block. Their target KV was computed by another request, which
+        may still own (and write) the head's slots of those blocks; r never computed features there,
+        and it starts its head past them (draft_len), as after the catch-up window dropped them."""
+        n = r.num_cached_blocks
+        return [self.zero_block] * n + r.block_table[n:] if n else r.block_table
 
     # ------------------------------------------------------------------ catch-up
     def catch_up(self, host: TargetHost, reqs: list[Request]) -> torch.Tensor:
@@ -48,7 +58,8 @@ class Eagle3Proposer:
         for r in reqs:
             skip, f = r.take_pending()
             if skip:  # positions dropped past the window: the head attends to zeros there
-                skipped.extend(slot_of(r.block_table, p, bs) for p in range(r.draft_len, r.draft_len + skip))
+                table = self.head_table(r)
+                skipped.extend(slot_of(table, p, bs) for p in range(r.draft_len, r.draft_len + skip))
                 r.draft_len += skip
             if f.shape[0] != r.num_computed - r.draft_len:
                 raise RuntimeError(f"draft catch-up out of step with the target: {f.shape[0]} features for "
@@ -75,7 +86,7 @@ class Eagle3Proposer:
                 toks[j, :n] = torch.tensor(r.all_token_ids[start + 1 : start + 1 + n])
             ctx = [r.draft_len for r in sub]
             pos = (torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]).to(self.device)
-            batch = masked_metadata([r.block_table for r in sub], ctx, q_lens, q, bs, self.device)
+            batch = masked_metadata([self.head_table(r) for r in sub], ctx, q_lens, q, bs, self.device)
             out, k, v = self._forward(toks.to(self.device), head.fc(h_in), pos, batch)
             for j, i in enumerate(rows):
                 done[i] += q_lens[j]
@@ -110,7 +121,7 @@ class Eagle3Proposer:
         frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
         if steps > 1:
             # context keys of the head's cache (positions < nc), read once for all steps
-            ctxb = masked_metadata([r.block_table for r in reqs], nc.tolist(), [0] * b, 1, host.block_size, dev)
+            ctxb = masked_metadata([self.head_table(r) for r in reqs], nc.tolist(), [0] * b, 1, host.block_size, dev)
             c = ctxb.kv_index.shape[1] - 1
             ctx_k, ctx_v = _gather(self.cache, ctxb.kv_index[:, :c])  # [B, C, nkv, hd]
             ctx_ok = torch.arange(c, device=dev)[None, :] < nc[:, None]  # [B, C]

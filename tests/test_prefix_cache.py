@@ -1,0 +1,307 @@
+"""Prefix caching: shared, reference-counted KV blocks keyed by their token prefix.
+
+Greedy output must be the same with and without the cache (plain and speculative, prefixes
+ending mid-block), a hit must be taken where one exists, speculation must never write a
+shared block, the head must see the same features (same acceptance), and eviction,
+preemption, aborts and many sharers must neither leak blocks nor serve a stale one.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.config import EngineConfig, add_flags
+from augury.engine.kv_cache import BlockAllocator, block_key
+from conftest import assert_no_leaks
+from speculative_helpers import checkpoints
+
+BS = 16
+WINDOW = 128  # the EAGLE-3 catch-up window: a hit stops this many tokens short of the prompt's end
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return checkpoints(tmp_path_factory.mktemp("prefix"))
+
+
+def _greedy(n: int, max_tokens: int = 12) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for _ in range(n)]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def _shared(prefix_len: int, suffix_lens: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts that share their first prefix_len tokens and then differ."""
+    prefix = _tokens(prefix_len, seed)
+    return [prefix + _tokens(s, seed + 100 + i) for i, s in enumerate(suffix_lens)]
+
+
+def _llm(folder, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("log_stats_interval", 0)
+    return LLM(str(folder), **kw)
+
+
+def _one_by_one(llm: LLM, prompts, params):
+    """Each request alone, in order: every later one can hit what the earlier ones left."""
+    return [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+
+
+# ------------------------------------------------------------------ the allocator
+
+
+def test_allocator_caches_takes_and_evicts_least_recently_used():
+    a = BlockAllocator(6, 4, enable_caching=True)
+    blocks = a.allocate(3)
+    keys, parent = [], None
+    for i, b in enumerate(blocks):
+        parent = block_key(parent, [i] * 4)
+        keys.append(parent)
+        a.register(b, parent, [i] * 4)
+    assert a.num_cached == 3 and a.num_free == 2
+    a.free(blocks)  # idle but cached: still counted free, still found
+    assert a.num_free == a.num_usable
+    assert [a.lookup(k, [i] * 4) for i, k in enumerate(keys)] == blocks
+    assert a.lookup(keys[0], [9] * 4) is None  # a key whose tokens differ is never served
+    a.take(blocks[0])
+    assert a.num_free == 4
+    # two free blocks go first, then idle cached ones, the tail of the released table first
+    got = a.allocate(3)
+    assert set(got[:2]).isdisjoint(blocks) and got[2] == blocks[2]
+    assert a.lookup(keys[2], [2] * 4) is None and a.num_evicted == 1
+    assert a.lookup(keys[1], [1] * 4) == blocks[1]
+    a.register(got[0], keys[1], [1] * 4)  # a key already cached keeps its block
+    assert a.lookup(keys[1], [1] * 4) == blocks[1]
+    a.free(got)
+    a.free([blocks[0]])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        a.free([blocks[0]])
+    a.reset_cache()
+    assert a.num_cached == 0 and a.num_free == a.num_usable and a.lookup(keys[1], [1] * 4) is None
+
+
+def test_block_key_chains_the_whole_prefix():
+    a, b = block_key(None, [1, 2]), block_key(None, [1, 3])
+    assert a != b and block_key(a, [5, 6]) != block_key(b, [5, 6]) and block_key(a, [5, 6]) == block_key(a, [5, 6])
+
+
+# ------------------------------------------------------------------ the engine, plain decoding
+
+
+@pytest.mark.parametrize("prefix_len", [5, 16, 37, 64, 100])
+def test_plain_greedy_same_with_and_without_cache(ckpts, prefix_len):
+    prompts = _shared(prefix_len, [1, 9, 16, 30, 2], seed=prefix_len)
+    params = _greedy(len(prompts))
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = _llm(ckpts["target"], speculative_algorithm="none")
+    outs = _one_by_one(llm, prompts, params)
+    assert [o.token_ids for o in outs] == want
+    # the first computes everything; each later one is served the shared prefix's full blocks
+    assert outs[0].num_cached_tokens == 0
+    for p, o in zip(prompts[1:], outs[1:]):
+        assert o.num_cached_tokens == min(prefix_len // BS * BS, (len(p) - 1) // BS * BS)
+    # concurrently too (the cache now also holds every earlier prompt's blocks)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert_no_leaks(llm.engine)
+    assert all(o.num_cached_tokens == 0 for o in ref.generate(prompts, params, use_tqdm=False))
+
+
+def test_a_whole_repeated_prompt_computes_its_last_token(ckpts):
+    """A prompt entirely in the cache still computes one token (its logits give the next)."""
+    prompt = _tokens(48, seed=7)  # exactly three blocks
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    llm = _llm(ckpts["target"], speculative_algorithm="none")
+    want = ref.generate([prompt], _greedy(1), use_tqdm=False)[0].token_ids
+    first, second = (llm.generate([prompt], _greedy(1), use_tqdm=False)[0] for _ in range(2))
+    assert first.token_ids == second.token_ids == want
+    assert second.num_cached_tokens == 32
+    # the generated tokens' blocks were cached too: the prompt plus its answer hits past the prompt
+    third = llm.generate([prompt + want], _greedy(1), use_tqdm=False)[0]
+    assert third.num_cached_tokens == 48
+    assert third.token_ids == ref.generate([prompt + want], _greedy(1), use_tqdm=False)[0].token_ids
+
+
+def test_prompt_logprobs_compute_the_whole_prompt(ckpts):
+    prompts = _shared(64, [3, 5])
+    sp = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, logprobs=1)
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = ref.generate(prompts, [sp, sp], use_tqdm=False)
+    llm = _llm(ckpts["target"], speculative_algorithm="none")
+    outs = _one_by_one(llm, prompts, [sp, sp])
+    assert outs[1].num_cached_tokens == 0
+    for o, w in zip(outs, want):
+        assert o.token_ids == w.token_ids
+        for a, b in zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+# ------------------------------------------------------------------ speculation
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "ngram"])
+def test_speculative_greedy_and_acceptance_same_with_and_without_cache(ckpts, algo):
+    target, head = (ckpts["bigram"], ckpts["bigram_head"]) if algo == "eagle3" else (ckpts["target"], None)
+    kw = dict(speculative_algorithm=algo, speculative_policy="static")
+    if head is not None:
+        kw.update(draft_model=str(head), speculative_ngram_branch=0)
+    # long enough that a hit remains once the head's catch-up window is left out; one ends mid-block
+    prompts = _shared(250, [3, 20, 41, 7], seed=3)
+    params = _greedy(len(prompts), max_tokens=24)
+    plain = _llm(target, speculative_algorithm="none", enable_prefix_caching=False)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    off = _one_by_one(_llm(target, enable_prefix_caching=False, **kw), prompts, params)
+    llm = _llm(target, **kw)
+    on = _one_by_one(llm, prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off] == want
+    tail = WINDOW if algo == "eagle3" else 1
+    for p, o in zip(prompts[1:], on[1:]):
+        assert o.num_cached_tokens == min(250 // BS * BS, (len(p) - tail) // BS * BS) > 0
+    # the head saw the same features, so it drafted the same trees: the same acceptance
+    assert [o.spec_stats for o in on] == [o.spec_stats for o in off]
+    assert all(o.spec_stats.num_verify_steps > 0 for o in on)
+    assert_no_leaks(llm.engine)
+
+
+def _recording(llm: LLM) -> list[list[list[int]]]:
+    """Record the draft trees (token ids per request) the proposer makes from now on."""
+    proposer, seen = llm.engine.speculator.proposer, []
+    propose = proposer.propose
+
+    def wrapped(host, reqs, shape):
+        tree = propose(host, reqs, shape)
+        seen.append(tree.tokens.tolist())
+        return tree
+
+    proposer.propose = wrapped
+    return seen
+
+
+def test_eagle3_head_drafts_the_same_trees_after_a_cache_hit(ckpts):
+    """A random head's drafts depend on everything it attends to. A second turn hits the first
+    turn's blocks, whose head slots still hold the first request's real head KV; the hit request
+    must read zeros there (as without the cache, where the catch-up window dropped them), so it
+    drafts exactly the trees it drafts without the cache."""
+    kw = dict(draft_model=str(ckpts["head"]), speculative_algorithm="eagle3", speculative_policy="static",
+              speculative_ngram_branch=0)
+    first = _tokens(300, seed=11)
+    runs = {}
+    for caching in (False, True):
+        llm = _llm(ckpts["target"], enable_prefix_caching=caching, **kw)
+        turn1 = llm.generate([first], _greedy(1, 60), use_tqdm=False)[0]
+        second = first + turn1.token_ids + _tokens(12, seed=12)
+        trees = _recording(llm)
+        turn2 = llm.generate([second], _greedy(1, 20), use_tqdm=False)[0]
+        runs[caching] = (turn1.token_ids, turn2, trees)
+        assert_no_leaks(llm.engine)
+    (t1_off, off, trees_off), (t1_on, on, trees_on) = runs[False], runs[True]
+    assert t1_on == t1_off and on.token_ids == off.token_ids
+    assert on.num_cached_tokens == (300 + 60 + 12 - WINDOW) // BS * BS and off.num_cached_tokens == 0
+    assert trees_on and trees_on == trees_off
+    assert on.spec_stats == off.spec_stats
+
+
+def test_speculation_never_writes_a_shared_block(ckpts):
+    llm = _llm(ckpts["bigram"], draft_model=str(ckpts["bigram_head"]), speculative_algorithm="eagle3",
+               speculative_policy="static")
+    eng = llm.engine
+    prompts = _shared(260, [4, 9, 30], seed=5)
+    llm.generate([prompts[0]], _greedy(1, 8), use_tqdm=False)  # leaves the prefix in the cache
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts[1:], _greedy(2, 40))]
+    eng.step()  # admits both with their hits
+    shared = sorted({b for rid in ids for b in eng.requests[rid].block_table[: eng.requests[rid].num_cached_blocks]})
+    assert shared
+    slots = torch.tensor([b * BS + i for b in shared for i in range(BS)])
+    before = (eng.kv.k[:, slots].clone(), eng.kv.v[:, slots].clone())
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.stats.num_verify_steps > 0
+    assert torch.equal(eng.kv.k[:, slots], before[0]) and torch.equal(eng.kv.v[:, slots], before[1])
+    assert_no_leaks(eng)
+
+
+# ------------------------------------------------------------------ under pressure
+
+
+def test_eviction_while_requests_run_serves_nothing_stale(ckpts):
+    """A cache too small for every prefix: idle cached blocks are evicted and reused for other
+    tokens while requests run; later requests for evicted prefixes recompute them."""
+    groups = [_shared(70, [5, 12, 20], seed=s) for s in range(6)]
+    prompts = [p for g in groups for p in g]
+    params = _greedy(len(prompts), max_tokens=10)
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = _llm(ckpts["target"], speculative_algorithm="none", num_kv_blocks=40, max_num_seqs=4)
+    for _ in range(2):  # the second round finds some prefixes cached and some evicted
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert_no_leaks(llm.engine)
+    assert llm.engine.allocator.num_evicted > 0
+    assert any(o.num_cached_tokens > 0 for o in outs)
+
+
+def test_preempting_a_request_that_holds_shared_blocks(ckpts):
+    prompts = _shared(60, [4, 8, 12, 16, 3, 7], seed=21)
+    params = _greedy(len(prompts), max_tokens=48)
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = _llm(ckpts["target"], speculative_algorithm="none", num_kv_blocks=24)
+    llm.generate([prompts[0]], [params[0]], use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(o.num_cached_tokens > 0 for o in outs)
+    assert [o.token_ids for o in outs] == want
+    assert_no_leaks(llm.engine)
+
+
+def test_request_aborted_mid_prefill_leaves_valid_blocks(ckpts):
+    prompt = _tokens(200, seed=31)
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = ref.generate([prompt], _greedy(1), use_tqdm=False)[0].token_ids
+    llm = _llm(ckpts["target"], speculative_algorithm="none", max_num_batched_tokens=64)
+    eng = llm.engine
+    rid = eng.add_request(prompt, _greedy(1)[0])
+    eng.step()
+    eng.step()  # two 64-token chunks of the prompt are in the cache
+    eng.abort_request(rid)
+    assert_no_leaks(eng)
+    out = llm.generate([prompt], _greedy(1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 128 and out.token_ids == want
+    assert_no_leaks(eng)
+
+
+def test_many_requests_share_one_prefix_at_once(ckpts):
+    prompts = _shared(90, [1 + 3 * i for i in range(12)], seed=41)
+    params = _greedy(len(prompts), max_tokens=16)
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = _llm(ckpts["target"], speculative_algorithm="ngram", max_num_seqs=8)
+    for wave in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert_no_leaks(llm.engine)
+    # the second wave finds each whole prompt cached (the first left them), bar the last token
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // BS * BS for p in prompts]
+    sched = llm.engine.scheduler
+    assert 0 < sched.prefix_hits <= sched.prefix_queries
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_prefix_caching_flag_and_validation():
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    assert p.parse_args([]).enable_prefix_caching is None
+    assert p.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert p.parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+    assert EngineConfig.create().enable_prefix_caching is True
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        EngineConfig.create(enable_prefix_caching="yes")
