@@ -193,7 +193,7 @@ def test_steps_that_catch_up_a_backlog_are_not_timed(ckpts):
               speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, dtype="float32",
               log_stats_interval=0.0)
     seen = []
-    llm.engine.speculator.policy.observe = lambda b, shape, s, acc, timed=True, offered=None: seen.append(timed)
+    llm.engine.speculator.policy.observe = lambda b, shape, s, acc, timed=True, **kw: seen.append(timed)
     llm.generate([[5] * 20], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert seen[0] is False  # the 20-token prompt was caught up in this step
     assert len(seen) > 1 and all(seen[1:])  # afterwards each step catches up only what it committed

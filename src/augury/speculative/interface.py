@@ -11,7 +11,7 @@ import torch
 
 from augury.engine.request import Request
 from augury.engine.stats import EngineStats
-from augury.speculative.policy import TreeShape
+from augury.speculative.policy import StepPlan, TreeShape
 from augury.speculative.tree import DraftTree
 
 # (batch size, tokens per request, seconds): one profiled forward, for a cost model
@@ -62,14 +62,23 @@ class Proposer(Protocol):
 
 class SpeculationPolicy(Protocol):
     def choose(self, batch_size: int) -> TreeShape | None:
-        """The tree to draft this step, or None: decode plainly."""
+        """The tree to draft this step if every request drafted all of it, or None: decode plainly
+        (the batch-level rule)."""
+        ...
+
+    def plan(self, reqs: list[Request]) -> StepPlan:
+        """This step's tree and, per request, how many of its draft nodes it keeps (0: a root-only
+        row, verified as a plain decode step). Never more than a request's own max_draft_tokens."""
         ...
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
-                timed: bool = True, offered: list[int] | None = None) -> None:
+                timed: bool = True, offered: list[int] | None = None, reqs: list[Request] | None = None,
+                sizes: list[int] | None = None) -> None:
         """After a step: its time (timed=False: not representative) and, per request that drafted,
         its accepted drafts and the deepest draft depth it was offered (None: the shape's depth;
-        a request's own draft budget may cut its tree shorter)."""
+        a request's budget may cut its tree shorter). reqs: those requests, in the same order
+        (None: unknown); sizes: every row's real node count in the verification, the root included
+        (None: every row verified the whole shape)."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None: ...

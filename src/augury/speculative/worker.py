@@ -54,13 +54,23 @@ class Speculator:
     def step(self, host: TargetHost, reqs: list[Request]) -> bool:
         """Speculate for this decode batch; False means the caller should decode plainly.
 
-        Each request's SamplingParams.max_draft_tokens caps its own tree: 0 keeps it out of
-        drafting (its row in the verification is its root alone, which is exactly a decode step),
-        n keeps its first n draft nodes (see tree.cap_trees). A batch where no request may draft
-        decodes plainly without asking the policy."""
-        caps = [r.params.max_draft_tokens for r in reqs]
-        drafting = [i for i, c in enumerate(caps) if c != 0]
-        shape = self.policy.choose(len(reqs)) if drafting else None
+        The policy's plan gives the tree and each request's draft budget this step (an adaptive
+        policy: from the request's own acceptance; SamplingParams.max_draft_tokens caps it in any
+        case). Budget 0 keeps a request out of drafting (its row in the verification is its root
+        alone, which is exactly a decode step), n keeps its first n draft nodes (see
+        tree.cap_trees). A batch where no request may draft decodes plainly without asking the
+        policy; one where the plan lets none draft decodes plainly too."""
+        if all(r.params.max_draft_tokens == 0 for r in reqs):
+            caps: list[int | None] = [0] * len(reqs)
+            shape = None
+        else:
+            plan = self.policy.plan(reqs)
+            shape = plan.shape
+            # a request's own cap holds whatever the policy says
+            caps = [_tighter(c, r.params.max_draft_tokens) for c, r in zip(plan.caps, reqs)]
+        drafting = [i for i, c in enumerate(caps) if c != 0] if shape is not None else []
+        if not drafting:
+            shape = None
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
         if shape is None or not host.reserve(reqs, shape.num_draft_tokens + self.proposer.extra_nodes):
@@ -74,18 +84,19 @@ class Speculator:
         drafted = self.proposer.propose(host, sub, shape)
         tree = cap_trees(drafted, [caps[i] for i in drafting])
         if len(sub) < len(reqs):
-            tree = with_root_only_rows(tree, drafting, [r.last_token_id for i, r in enumerate(reqs) if caps[i] == 0])
-        accepted, offered = self.verify_and_commit(host, reqs, tree)
-        # a step whose trees were cut or that carried root-only rows does not cost what the shape costs
+            tree = with_root_only_rows(tree, drafting, [r.last_token_id for r, c in zip(reqs, caps) if c == 0])
+        accepted, offered, rows = self.verify_and_commit(host, reqs, tree)
+        # the row sizes tell the policy what share of the whole shape's cost this step drafted
         self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
-                            timed=backlog <= shape.num_steps + 1 and tree is drafted, offered=offered)
+                            timed=backlog <= shape.num_steps + 1, offered=offered,
+                            reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
         host.stats.steps_spec += 1
         return True
 
     def verify_and_commit(self, host: TargetHost, reqs: list[Request],
-                          tree: DraftTree) -> tuple[list[int], list[int]]:
+                          tree: DraftTree) -> tuple[list[int], list[int], list[int]]:
         """Verify and commit every row; returns, for the rows that drafted (more than a root),
-        the accepted draft count and the deepest draft depth offered."""
+        the accepted draft count, the deepest draft depth offered and the row's index."""
         dev = host.device
         # rows a budget cut short are verified packed: padding nodes cost no target rows
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
@@ -111,7 +122,7 @@ class Speculator:
                     dst.append(slot_of(r.block_table, r.num_computed + j, bs))
         if src:
             host.copy_kv_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        accepted, offered = [], []
+        accepted, offered, rows = [], [], []
         for b, (r, toks, path) in enumerate(zip(reqs, committed, res.accepted_nodes)):
             m = len(path) - 1
             # the root and the accepted drafts are now in the cache, with their target features
@@ -121,12 +132,13 @@ class Speculator:
                 continue
             accepted.append(m)
             offered.append(depths[b])
+            rows.append(b)
             host.stats.record_verification(depths[b], m, sizes[b] - 1)  # the verifier's verdict
             # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
             r.spec_stats.num_verify_steps += 1
             r.spec_stats.num_draft_tokens += sizes[b] - 1
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
-        return accepted, offered
+        return accepted, offered, rows
 
     @staticmethod
     def _real_node_logits(host: TargetHost, hidden: torch.Tensor, tree: DraftTree) -> torch.Tensor:
@@ -159,6 +171,11 @@ class Speculator:
                 rows = host.target_logits(hidden[b, paths[b]])
             out[b] = token_logprobs(rows, committed[b], [k] * len(committed[b]))
         return out
+
+
+def _tighter(a: int | None, b: int | None) -> int | None:
+    """The smaller of two draft caps (None: no cap)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 @dataclass(frozen=True)
