@@ -297,7 +297,7 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
     float32; in bfloat16 the kernel takes its scales in bfloat16, so d (float16 in the file)
     and the zero round to bfloat16 first: within a few bfloat16 steps."""
     path, folder, cfg = q4_gguf
-    model, _ = load_target(folder, dtype, torch.device("cpu"), 64, quantization="auto")
+    model, _ = load_target(folder, dtype, torch.device("cpu"), 64, quantization="int4")
     assert model.quantization == "int4"
     reader = gguf.GGUFReader(path)
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -324,12 +324,22 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed_tokens, torch.nn.Embedding)
 
 
+def test_gguf_auto_is_native_int4_in_16_bit_and_dense_in_float32(q4_gguf) -> None:
+    """auto runs a GGUF's Q4 blocks natively where that is the fast path (16-bit activations); float32,
+    the reference mode, runs dense."""
+    _, folder, _ = q4_gguf
+    for dtype, mode in ((torch.bfloat16, "int4"), (torch.float16, "int4"), (torch.float32, "none")):
+        model, _ = load_target(folder, dtype, torch.device("cpu"), 64, quantization="auto")
+        assert model.quantization == mode, dtype
+        assert any(isinstance(m, Int4Linear) for m in model.modules()) == (mode == "int4")
+
+
 def test_gguf_quantization_none_gives_the_dense_path(q4_gguf) -> None:
     _, folder, cfg = q4_gguf
     model, _ = load_target(folder, torch.float32, torch.device("cpu"), 64, quantization="none")
     assert model.quantization == "none"
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
-    native, _ = load_target(folder, torch.float32, torch.device("cpu"), 64, quantization="auto")
+    native, _ = load_target(folder, torch.float32, torch.device("cpu"), 64, quantization="int4")
     # the dense folder holds the same Q4 values: through the layer stack only float32 rounding differs
     a, b = _hidden(model, model.cfg, PROMPT, torch.float32), _hidden(native, native.cfg, PROMPT, torch.float32)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -178,8 +178,9 @@ OPTIONS: tuple[Option, ...] = (
            "float32, bfloat16 or float16", metavar="DTYPE"),
     Option("quantization", "--quantization", str,
            "weight-only quantisation of the linear layers: auto (the checkpoint's own quantisation: a GGUF's "
-           "Q4 blocks run as int4; else dense), none (dense), int8 (per-channel int8 weights) or int4 "
-           "(group-32 int4 weights)", metavar="KIND"),
+           "Q4 blocks run as int4 in bfloat16/float16; float32, the reference, runs dense), none (dense), int8 "
+           "(per-channel int8 weights) or int4 (group-32 int4 weights; a GGUF's own Q4 blocks where it has them)",
+           metavar="KIND"),
     Option("device", "--device", str, "where to run: cpu, cuda or cuda:N", env="AUGURY_DEVICE",
            default_help="cuda when available, else cpu", metavar="DEVICE"),
     Option("threads", "--threads", int, "torch intra-op CPU threads", env="AUGURY_THREADS",

@@ -168,10 +168,16 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
     return count
 
 
-def resolve_quantization(folder: Path, quantization: str) -> str:
-    """"auto" -> "gguf-int4" when a GGUF conversion left native int4 weights, else "none"."""
+def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype) -> str:
+    """The mode a target loads in. A GGUF conversion's native int4 weights ("gguf-int4") serve "int4"
+    and, in 16-bit dtypes, "auto"; float32 is the reference mode, so "auto" runs it dense there (the
+    kernels' float32 path is also slow: on the demo at one row, AVX2, int4 277 ms per token against
+    F.linear's 45 ms, and a 1536-token prefill took 188 s in the int4 kernel)."""
+    native = (folder / INT4_INDEX).is_file()
     if quantization == "auto":
-        return "gguf-int4" if (folder / INT4_INDEX).is_file() else "none"
+        return "gguf-int4" if native and dtype in (torch.bfloat16, torch.float16) else "none"
+    if quantization == "int4" and native:
+        return "gguf-int4"
     return quantization
 
 
@@ -180,8 +186,9 @@ def load_target(
 ) -> tuple[TargetModel, TargetConfig]:
     """Build the target from a checkpoint folder; raises ValueError naming any mismatch.
 
-    quantization: "none" (dense), "int8" / "int4" (quantise the dense weights, models/quant.py),
-    or "auto" (a GGUF conversion's native int4 weights when the folder has them, else dense).
+    quantization: "none" (dense), "int8" / "int4" (quantise the dense weights, models/quant.py; int4 takes a
+    GGUF conversion's native int4 weights when the folder has them), or "auto" (those native weights in
+    16-bit dtypes, else dense; see resolve_quantization).
     The mode the model runs in is left in `model.quantization` ("none", "int8" or "int4")."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -197,7 +204,7 @@ def load_target(
     copy_strict(target_weight_map(model), tensors, f"target checkpoint {folder}", optional)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
-    mode = resolve_quantization(folder, quantization)
+    mode = resolve_quantization(folder, quantization, dtype)
     if mode == "gguf-int4":
         load_native_int4(model, folder, dtype)
         model.quantization = "int4"
