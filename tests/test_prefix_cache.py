@@ -305,3 +305,33 @@ def test_prefix_caching_flag_and_validation():
     assert EngineConfig.create().enable_prefix_caching is True
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
         EngineConfig.create(enable_prefix_caching="yes")
+
+
+# ------------------------------------------------------------------ the benchmark workloads
+
+
+@pytest.mark.parametrize("workload,extra", [("document", ["--doc-tokens", "150", "--questions", "2"]),
+                                            ("multi-turn", ["--turns", "3"])])
+def test_bench_prefix_workloads(tiny_checkpoint, tmp_path, workload, extra, capsys):
+    import json
+
+    from augury.cli import main
+
+    folder = tiny_checkpoint("llama", tokenizer=True)
+    code = main(["bench", "--workload", workload, "--model", str(folder), "--repeats", "2", "--output-len", "4",
+                 "--out", str(tmp_path), "--no-progress", *extra])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "paired speed-up median" in printed and "greedy answers equal: 3/3" in printed
+    sm = json.loads((tmp_path / "prefix.json").read_text())["summary"]
+    assert sm["cached_tokens"]["no-cache"] == [0, 0, 0]
+    cached = sm["cached_tokens"]["cache"]
+    assert cached[0] == 0 and all(c > 0 and c % BS == 0 for c in cached[1:])
+    assert len(sm["paired_speedup"]) == 2 and sm["same_answers"] == 3
+
+
+def test_bench_prefix_workload_needs_a_chat_model(tmp_path, capsys):
+    from augury.cli import main
+
+    assert main(["bench", "--workload", "document", "--out", str(tmp_path)]) == 2
+    assert "need a model with a chat template" in capsys.readouterr().err

@@ -370,9 +370,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed of the random prompts and of the random model (default: {d.seed})")
+    p.add_argument("--workload", default="throughput", choices=["throughput", "document", "multi-turn"],
+                   help="throughput: the systems' decoding speed (the default); document: one long document "
+                   "with a new question per request, and multi-turn: a chat growing turn by turn, each timing the "
+                   "first token with and without prefix caching (see augury/bench/prefix.py)")
+    p.add_argument("--doc-tokens", type=int, default=1500, help="--workload document: the document's length in tokens")
+    p.add_argument("--questions", type=int, default=6,
+                   help="--workload document: questions asked after the first request")
+    p.add_argument("--turns", type=int, default=4, help="--workload multi-turn: turns of the chat")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="tracebacks with errors")
     return p
+
+
+def _prefix_main(args: argparse.Namespace) -> int:
+    from augury.bench.prefix import PrefixSettings, bench_prefix
+
+    if args.model == "random":
+        raise ValueError("--workload document and multi-turn need a model with a chat template "
+                         "(e.g. --model demo), not --model random")
+    settings = PrefixSettings(model=args.model, workload=args.workload, dtype=args.dtype, device=args.device,
+                              draft_model=args.draft_model, threads=args.threads, quantization=args.quantization,
+                              doc_tokens=args.doc_tokens, questions=args.questions, turns=args.turns,
+                              output_len=args.output_len, repeats=args.repeats,
+                              out=args.out if args.out != BenchSettings().out else PrefixSettings().out)
+    text, path = bench_prefix(settings, progress=not args.no_progress)
+    print(text)
+    print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,9 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
     try:
-        for name in ("prompt_len", "output_len", "repeats", "num_prompts"):
+        for name in ("prompt_len", "output_len", "repeats", "num_prompts", "doc_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if args.workload != "throughput":
+            return _prefix_main(args)
         settings = BenchSettings(
             model=args.model, dtype=args.dtype, device=args.device, batch_sizes=args.batch_sizes,
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
