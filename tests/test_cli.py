@@ -359,3 +359,25 @@ def test_bench_systems_take_a_quantisation_mode(tiny_checkpoint, tmp_path) -> No
     system = system_factory("augury-off@int8")(settings)
     assert system.name == "augury-off@int8" and system.llm.engine.model.quantization == "int8"
     assert system_factory("augury-off")(settings).llm.engine.model.quantization == "none"  # dense checkpoint
+
+
+def test_bench_mixed_prompts_and_the_comparison_systems(tiny_checkpoint, tmp_path) -> None:
+    """--prompts mixed alternates held-out chat prompts with copy prompts (which quote a paragraph);
+    augury-adaptive-step (one draft size per step) and augury-threshold8 are lossless like the rest."""
+    from augury.bench import mixed_prompts
+    from augury.models.tokenizer import load_tokenizer
+    from helpers_server import make_tiny_checkpoint
+    from speculative_helpers import checkpoints
+
+    folder = make_tiny_checkpoint(tmp_path / "bpe")  # byte-level BPE: any text round-trips
+    tok = load_tokenizer(folder)
+    texts = [tok.decode(p) for p in mixed_prompts(tok, 4)]
+    assert [("Repeat" in t or "Copy" in t or "write out" in t) for t in texts] == [False, True, False, True]
+    report = _bench(tmp_path / "mixed", "--model", str(folder), "--prompts", "mixed", "--num-prompts", "4",
+                    "--systems", "augury-off,augury-threshold8")
+    assert all(r["greedy_match"] == 1.0 for r in report["results"])
+    ck = checkpoints(tmp_path / "ck")
+    report = _bench(tmp_path / "step", "--model", str(ck["target"]), "--draft-model", str(ck["head"]),
+                    "--systems", "augury-off,augury-adaptive-step,augury-adaptive")
+    assert {r["system"] for r in report["results"]} == {"augury-off", "augury-adaptive-step", "augury-adaptive"}
+    assert all(r["greedy_match"] == 1.0 for r in report["results"])

@@ -196,6 +196,29 @@ def test_metrics_names(server: ServerProcess, client: openai.OpenAI, model: str)
         assert name in text, name
 
 
+def test_prefix_cache_hits_are_in_usage_and_metrics(server: ServerProcess, client: openai.OpenAI,
+                                                     model: str) -> None:
+    """A prompt sent twice: the second is served its full blocks from the prefix cache, says so in
+    usage.prompt_tokens_details.cached_tokens (streamed too), answers the same, and /metrics counts it."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 6 + "and then"
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 16 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert second.choices[0].text == first.choices[0].text
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    text = httpx.get(f"{server.base_url}/metrics").text
+    hits = float(re.search(r"^augury:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    queries = float(re.search(r"^augury:prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    assert hits >= 2 * ((n - 1) // 16 * 16) and queries >= 3 * n
+    assert "augury:prefix_cache_hit_rate" in text
+
+
 def test_health_and_errors_did_not_hurt(server: ServerProcess, client: openai.OpenAI, model: str) -> None:
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.base_url}/nope").json()["error"]["code"] == "not_found"

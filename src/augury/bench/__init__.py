@@ -200,6 +200,53 @@ def _through_first(row: list[int], stops: set[int]) -> list[int]:
     return row
 
 
+# paragraphs a "copy" prompt asks the model to repeat: standard-library documentation (no download)
+_COPY_SOURCES = ("json", "argparse", "logging", "csv", "pathlib", "datetime", "sqlite3", "unittest", "subprocess",
+                 "itertools", "functools", "collections", "re", "typing", "dataclasses", "asyncio")
+_COPY_ASKS = ("Repeat the following text exactly, word for word:", "Copy this paragraph without changing anything:",
+              "Please write out the following text again, exactly as it is:")
+
+
+def mixed_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Half prompts whose answer copies them (repeat a paragraph of standard-library documentation),
+    half held-out chat prompts (free text), alternating; each in the tokenizer's chat template."""
+    import importlib
+    import inspect
+
+    free = iter(chat_prompts(tokenizer, count - count // 2))
+    out = []
+    for i in range(count):
+        if i % 2:
+            name = _COPY_SOURCES[(i // 2) % len(_COPY_SOURCES)]
+            doc = (inspect.getdoc(importlib.import_module(name)) or name).split("\n\n")[0]
+            text = f"{_COPY_ASKS[(i // 2) % len(_COPY_ASKS)]}\n\n{' '.join(doc.split()[:80])}"
+            out.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+        else:
+            out.append(next(free))
+    return out
+
+
+class StepBudgetSystem(AugurySystem):
+    """augury's adaptive policy deciding one draft size for the whole batch each step, as before
+    per-request budgets (for comparison only: the policy's per-request plan is replaced by its
+    batch-level choice, every request drafting that tree unless its own max_draft_tokens says less)."""
+
+    def __init__(self, settings: SystemSettings, name: str = "augury-adaptive-step", **engine_kwargs: Any) -> None:
+        draft = {"draft_model": settings.draft_model} if settings.draft_model else {}
+        super().__init__(settings, name, speculative_algorithm="eagle3", speculative_policy="adaptive",
+                         **draft, **engine_kwargs)
+        from augury.speculative.policy import StepPlan
+
+        policy = self.llm.engine.speculator.policy
+
+        def one_budget(reqs):
+            shape = policy.choose(len(reqs))
+            return StepPlan(shape, tuple(r.params.max_draft_tokens if shape else 0 for r in reqs))
+
+        policy.plan = one_budget
+
+
 def _speculative(name: str, **kwargs: Any) -> Callable[[SystemSettings], System]:
     def make(settings: SystemSettings) -> System:
         draft = {"draft_model": settings.draft_model} if settings.draft_model else {}
@@ -221,6 +268,11 @@ SYSTEMS: dict[str, SystemFactory] = {
     # the default LLM(model): speculation as configured by default (the demo: its head, adaptive)
     "augury-default": lambda s: AugurySystem(s, "augury-default", **({"draft_model": s.draft_model} if s.draft_model else {})),
     "llama.cpp": LlamaCppSystem,
+    # one draft size per step for the whole batch (the adaptive policy before per-request budgets)
+    "augury-adaptive-step": StepBudgetSystem,
+    # the default with speculation off above 8 running requests (speculative_disable_batch_threshold=8)
+    "augury-threshold8": lambda s: AugurySystem(s, "augury-threshold8", speculative_disable_batch_threshold=8,
+                                                 **({"draft_model": s.draft_model} if s.draft_model else {})),
 }
 
 

@@ -44,7 +44,7 @@ class BenchSettings:
     repeats: int = 3
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
-    prompts: str = "random"  # random token ids, or "chat": held-out chat prompts through the chat template
+    prompts: str = "random"  # random token ids, "chat": held-out chat prompts through the chat template, or "mixed"
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
     stop_at_eos: bool = False  # end each sequence at its EOS token (at most output_len) instead of a fixed length
@@ -252,14 +252,14 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     cfg = TargetConfig.from_folder(folder)
     chat = None
     prompt_len = settings.prompt_len
-    if settings.prompts == "chat":
-        from augury.bench import chat_prompts
+    if settings.prompts in ("chat", "mixed"):
+        from augury.bench import chat_prompts, mixed_prompts
         from augury.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(Path(folder))
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
-        chat = chat_prompts(tokenizer, settings.num_prompts)
+        chat = (chat_prompts if settings.prompts == "chat" else mixed_prompts)(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = BenchSettings()
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     # the engine options the benchmark passes on to its systems, from the one table (config.OPTIONS)
-    add_flags(p, ("model", "dtype", "device", "draft_model", "threads", "quantization"),
+    add_flags(p, ("model", "dtype", "device", "draft_model", "threads", "quantization", "speculative_policy"),
               model=dict(default=d.model, help=OPTION["model"].help + ", or 'random' (a ~30M-parameter "
                          "random Llama written into --out)"),
               dtype=dict(default=d.dtype, choices=["float32", "bfloat16", "float16"],
@@ -343,7 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
               draft_model=dict(flags=("--draft-model", OPTION["draft_model"].flag),
                                help="EAGLE-3 head folder for the augury-static/adaptive systems",
                                default=None),
-              threads=dict(default=None), quantization=dict(default=d.quantization))
+              threads=dict(default=None), quantization=dict(default=d.quantization),
+              speculative_policy=dict(default="adaptive", choices=["adaptive", "static"],
+                                      help="--workload document / multi-turn: both engines' speculation policy "
+                                      "(static compares acceptance on the same trees; throughput systems name "
+                                      "their own)"))
     p.add_argument("--gguf", default=None, help="GGUF file the llama.cpp system loads (default: --model when it is "
                    "a .gguf file; the demo's own GGUF for --model demo)")
     p.add_argument("--random-config", type=_key_values, default={}, help="LlamaConfig overrides for --model random, "
@@ -360,8 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
-    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat"],
-                   help="random token ids, or held-out chat prompts through the model's chat template")
+    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "mixed"],
+                   help="random token ids, held-out chat prompts through the model's chat template, or mixed: "
+                   "every other prompt asks to repeat a paragraph (an answer that copies its prompt), the rest "
+                   "are held-out chat prompts")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="--prompts chat: held-out prompts per run, in batches of the batch size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
@@ -391,6 +397,7 @@ def _prefix_main(args: argparse.Namespace) -> int:
                          "(e.g. --model demo), not --model random")
     settings = PrefixSettings(model=args.model, workload=args.workload, dtype=args.dtype, device=args.device,
                               draft_model=args.draft_model, threads=args.threads, quantization=args.quantization,
+                              speculative_policy=args.speculative_policy,
                               doc_tokens=args.doc_tokens, questions=args.questions, turns=args.turns,
                               output_len=args.output_len, repeats=args.repeats,
                               out=args.out if args.out != BenchSettings().out else PrefixSettings().out)

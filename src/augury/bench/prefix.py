@@ -61,6 +61,7 @@ class PrefixSettings:
     draft_model: str | None = None
     threads: int | None = None
     quantization: str = "auto"
+    speculative_policy: str = "adaptive"
     doc_tokens: int = 1500
     questions: int = 6  # requests after the first (document workload)
     turns: int = 4  # multi-turn workload
@@ -160,7 +161,8 @@ def run(s: PrefixSettings, progress: bool = True) -> tuple[list[PrefixRow], dict
         raise ValueError(f"--questions must be in [1, {len(QUESTIONS) - 1}]")
     if s.threads:
         torch.set_num_threads(s.threads)
-    common = dict(dtype=s.dtype, device=s.device, quantization=s.quantization, log_stats_interval=0)
+    common = dict(dtype=s.dtype, device=s.device, quantization=s.quantization, log_stats_interval=0,
+                  speculative_policy=s.speculative_policy)
     if s.draft_model:
         common["draft_model"] = s.draft_model
     if s.threads:
