@@ -335,3 +335,17 @@ def test_bench_prefix_workload_needs_a_chat_model(tmp_path, capsys):
 
     assert main(["bench", "--workload", "document", "--out", str(tmp_path)]) == 2
     assert "need a model with a chat template" in capsys.readouterr().err
+
+
+def test_bench_throughput_repeats_compute_their_prompts(ckpts):
+    """A throughput repeat must not find the previous repeat's prompts in the prefix cache: an engine
+    with a head reuses less of a short prompt than one without, so the systems would do different work."""
+    from augury.bench import AugurySystem, SystemSettings
+
+    system = AugurySystem(SystemSettings(str(ckpts["target"]), "float32", "cpu", 2, 120), "augury",
+                          speculative_algorithm="none")
+    prompts = [_tokens(60, seed=1), _tokens(70, seed=2)]
+    first = system.generate(prompts, 5)
+    assert system.generate(prompts, 5) == first
+    assert system.llm.engine.scheduler.prefix_hits == 0
+    system.close()

@@ -74,6 +74,10 @@ class AugurySystem:
         t = self.temperature
         params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=not stop_at_eos, seed=i if t else None)
                   for i in range(len(prompts))]
+        # every repeat computes its prompts: a run must not find the previous repeat's prompts in the
+        # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
+        # so the repeats would compare different work; `--workload document` measures the cache)
+        self.llm.engine.reset_prefix_cache()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.steps += sum(o.spec_stats.num_verify_steps for o in outs)
         self.accepted += sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
