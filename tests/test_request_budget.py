@@ -254,6 +254,25 @@ def _run_staggered(llm: LLM, prompts, params) -> list:
     return [got[i] for i in ids]
 
 
+def _fixed_costs_and_spy(policy: AdaptivePolicy, per_node: float) -> list:
+    """Give the policy a fixed cost model (40 ms a step plus per_node a verified node; measured times
+    ignored), so its decisions depend on acceptance alone; returns the list its plans are recorded in,
+    as (each request's own max_draft_tokens, the StepPlan)."""
+    policy.target_cost, policy.draft_cost = LinearCost(0.040, 0.0, per_node), LinearCost(0.0, 0.0, 0.0)
+    policy.measured.clear()
+    policy.scale.clear()
+    observe, plan = policy.observe, policy.plan
+    policy.observe = lambda *a, **kw: observe(*a, **{**kw, "timed": False})
+    plans = []
+
+    def spy(reqs):
+        plans.append(([r.params.max_draft_tokens for r in reqs], plan(reqs)))
+        return plans[-1][1]
+
+    policy.plan = spy
+    return plans
+
+
 @pytest.mark.parametrize("algorithm", ["ngram", "eagle3"])
 def test_per_request_budgets_greedy_equal_plain(ckpts, algorithm):
     """Half the prompts hold the walk their answer takes (prompt lookup accepts long drafts), half
@@ -285,20 +304,7 @@ def test_per_request_budgets_greedy_equal_plain(ckpts, algorithm):
                   max_num_seqs=8)
     policy = llm.engine.speculator.policy
     assert isinstance(policy, AdaptivePolicy)
-    # a fixed cost model, measured times ignored: the decisions depend on acceptance alone
-    policy.target_cost, policy.draft_cost = LinearCost(0.040, 0.0, 0.001), LinearCost(0.0, 0.0, 0.0)
-    policy.measured.clear()
-    policy.scale.clear()
-    observe, plan = policy.observe, policy.plan
-    policy.observe = lambda *a, **kw: observe(*a, **{**kw, "timed": False})
-    plans = []
-
-    def spy(reqs):
-        out = plan(reqs)
-        plans.append(([r.params.max_draft_tokens for r in reqs], out))
-        return out
-
-    policy.plan = spy
+    plans = _fixed_costs_and_spy(policy, 0.001)
     outs = _run_staggered(llm, prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                                                         max_draft_tokens=c) for m, c in zip(lens, caps)])
     assert [o.token_ids for o in outs] == want
@@ -337,19 +343,7 @@ def test_per_request_budgets_on_a_random_target_greedy_equal_plain(ckpts):
     llm = LLM(str(target), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
               speculative_policy="adaptive", speculative_num_steps=3, speculative_eagle_topk=2,
               speculative_num_draft_tokens=6, speculative_ngram_branch=3, log_stats_interval=0, max_num_seqs=8)
-    policy = llm.engine.speculator.policy
-    policy.target_cost, policy.draft_cost = LinearCost(0.040, 0.0, 2e-4), LinearCost(0.0, 0.0, 0.0)
-    policy.measured.clear()
-    policy.scale.clear()
-    observe, plan = policy.observe, policy.plan
-    policy.observe = lambda *a, **kw: observe(*a, **{**kw, "timed": False})
-    plans = []
-
-    def spy(reqs):
-        plans.append(([r.params.max_draft_tokens for r in reqs], plan(reqs)))
-        return plans[-1][1]
-
-    policy.plan = spy
+    plans = _fixed_costs_and_spy(llm.engine.speculator.policy, 2e-4)
     outs = _run_staggered(llm, prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                                                         max_draft_tokens=c) for m, c in zip(lens, caps)])
     assert [o.token_ids for o in outs] == want

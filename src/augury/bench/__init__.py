@@ -237,9 +237,8 @@ class StepBudgetSystem(AugurySystem):
     batch-level choice, every request drafting that tree unless its own max_draft_tokens says less)."""
 
     def __init__(self, settings: SystemSettings, name: str = "augury-adaptive-step", **engine_kwargs: Any) -> None:
-        draft = {"draft_model": settings.draft_model} if settings.draft_model else {}
         super().__init__(settings, name, speculative_algorithm="eagle3", speculative_policy="adaptive",
-                         **draft, **engine_kwargs)
+                         **_head(settings), **engine_kwargs)
         from augury.speculative.policy import StepPlan
 
         policy = self.llm.engine.speculator.policy
@@ -251,10 +250,14 @@ class StepBudgetSystem(AugurySystem):
         policy.plan = one_budget
 
 
+def _head(settings: SystemSettings) -> dict[str, Any]:
+    """The EAGLE-3 head the benchmark was given, as LLM keyword arguments (none: the model's own)."""
+    return {"draft_model": settings.draft_model} if settings.draft_model else {}
+
+
 def _speculative(name: str, **kwargs: Any) -> Callable[[SystemSettings], System]:
     def make(settings: SystemSettings) -> System:
-        draft = {"draft_model": settings.draft_model} if settings.draft_model else {}
-        return AugurySystem(settings, name, **draft, **kwargs)
+        return AugurySystem(settings, name, **_head(settings), **kwargs)
 
     return make
 
@@ -270,13 +273,13 @@ SYSTEMS: dict[str, SystemFactory] = {
     "augury-adaptive": _speculative("augury-adaptive", speculative_algorithm="eagle3", speculative_policy="adaptive"),
     "augury-ngram": lambda s: AugurySystem(s, "augury-ngram", speculative_algorithm="ngram", speculative_policy="static"),
     # the default LLM(model): speculation as configured by default (the demo: its head, adaptive)
-    "augury-default": lambda s: AugurySystem(s, "augury-default", **({"draft_model": s.draft_model} if s.draft_model else {})),
+    "augury-default": lambda s: AugurySystem(s, "augury-default", **_head(s)),
     "llama.cpp": LlamaCppSystem,
     # one draft size per step for the whole batch (the adaptive policy before per-request budgets)
     "augury-adaptive-step": StepBudgetSystem,
     # the default with speculation off above 8 running requests (speculative_disable_batch_threshold=8)
     "augury-threshold8": lambda s: AugurySystem(s, "augury-threshold8", speculative_disable_batch_threshold=8,
-                                                 **({"draft_model": s.draft_model} if s.draft_model else {})),
+                                                 **_head(s)),
 }
 
 

@@ -118,13 +118,13 @@ class Request:
         self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
         return skip, feats
 
-    def start_from_cache(self, blocks: list[int], block_size: int) -> None:
-        """Admitted with these cached blocks as the start of its block table: their KV is this
-        request's first len(blocks) * block_size positions, computed by another request."""
-        n = len(blocks) * block_size
-        self.block_table = list(blocks)
+    def start_from_cache(self, table: list[int], cached: int, block_size: int) -> None:
+        """Admitted with block table `table`, whose first `cached` blocks came from the prefix cache:
+        their KV is this request's first cached * block_size positions, computed by another request."""
+        n = cached * block_size
+        self.block_table = table
         self.num_computed = self.draft_len = self.num_cached_tokens = n
-        self.num_cached_blocks = self.num_registered = len(blocks)
+        self.num_cached_blocks = self.num_registered = cached
 
     def reset_for_recompute(self) -> None:
         """Preempted: the cache is gone; recompute everything (outputs are kept)."""

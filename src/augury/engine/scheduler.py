@@ -77,8 +77,8 @@ class Scheduler:
         ends: list[int] = []
         width = 0  # padded query width: the batch costs len(reqs) * width tokens
 
-        def fit(req: Request) -> int:
-            left = req.num_tokens - req.num_computed
+        def fit(req: Request, done: int) -> int:
+            left = req.num_tokens - done
             # the padded batch may not exceed the budget; a lone request is chunked to it
             if not reqs:
                 return min(left, budget)
@@ -87,7 +87,7 @@ class Scheduler:
 
         for req in self.running:
             if req.is_prefilling:
-                n = fit(req)
+                n = fit(req, req.num_computed)
                 if n == 0:
                     break
                 reqs.append(req)
@@ -96,10 +96,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit = self._match(req)
-            req.num_computed = len(hit) * self.allocator.block_size  # what fit() measures from
-            n = fit(req)
+            n = fit(req, len(hit) * self.allocator.block_size)
             if n == 0:
-                req.num_computed = 0
                 break
             for b in hit:
                 self.allocator.take(b)
@@ -107,10 +105,8 @@ class Scheduler:
             # blocks for the whole sequence so far plus the first new token
             if not self.allocator.grow(table, req.num_tokens + 1):
                 self.allocator.free(hit)
-                req.num_computed = 0
                 break
-            req.start_from_cache(hit, self.allocator.block_size)
-            req.block_table = table
+            req.start_from_cache(table, len(hit), self.allocator.block_size)
             self.prefix_queries += req.num_tokens
             self.prefix_hits += req.num_computed
             self.waiting.popleft()
