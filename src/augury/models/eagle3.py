@@ -233,4 +233,9 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
         from augury.models.quant import quantize_head
 
         quantize_head(head, quantization)
+    else:
+        from augury.models.dense import half_gemm_available, pack_half_linears
+
+        if half_gemm_available(dtype, device):
+            pack_half_linears(head, dtype)  # drafts need no row-count invariance: never padded
     return head

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from augury.models.config import TargetConfig
+from augury.models.dense import HalfPackedLinear, half_gemm_available, invariant_row_block, pack_half_linears
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
@@ -212,4 +213,9 @@ def load_target(
         from augury.models.quant import quantize_model
 
         quantize_model(model, mode, dtype)
+    if model.quantization == "none" and half_gemm_available(dtype, device) and (block := invariant_row_block()):
+        # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
+        pack_half_linears(model.layers, dtype, block)
+        out = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.lm_head = HalfPackedLinear(out, getattr(model.lm_head, "bias", None), dtype, block)
     return model, cfg

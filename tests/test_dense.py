@@ -1,0 +1,148 @@
+"""Dense 16-bit linears through fbgemm's float16 GEMM (models/dense.py).
+
+The torch facts first (padding to the kernel height makes rows independent of their batch;
+without it they are not, which is why the target pads), then the module against a float32
+product, then whole bfloat16 models: packed where the CPU lacks native bfloat16, logits close
+to transformers' float32 forward, speculative greedy equal to plain greedy bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.models import dense
+from augury.models.dense import HalfPackedLinear, half_gemm_available, invariant_row_block, pack_half_linears
+from augury.models.loader import load_target
+from conftest import hf_logits
+
+CPU = torch.device("cpu")
+needs_fbgemm = pytest.mark.skipif(not half_gemm_available(torch.bfloat16, CPU),
+                                  reason="fbgemm's float16 GEMM is not what this CPU uses for bfloat16")
+
+
+def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+
+@needs_fbgemm
+def test_padded_rows_are_computed_as_if_alone() -> None:
+    """A demo-shaped layer (another weight than the probe's): every row of 1-40-row calls, at
+    any offset, equals the row computed alone, with the probed padding."""
+    block = invariant_row_block()
+    assert block is not None
+    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, block)
+    x = _bf16(64, 1536, seed=2)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+    for m in (2, 3, 5, block, block + 1, 13, 40):
+        for start in (0, 7, 64 - m):
+            assert torch.equal(lin(x[start : start + m]), alone[start : start + m]), (m, start)
+
+
+@needs_fbgemm
+def test_unpadded_rows_depend_on_their_batch() -> None:
+    """Why the target pads: without it some row of some batch comes out different (if fbgemm ever
+    stops doing this, the padding can go)."""
+    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, 1)
+    x = _bf16(16, 1536, seed=2)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
+    assert any(not torch.equal(lin(x[:m]), alone[:m]) for m in range(2, 16))
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_packed_linear_is_a_float32_product_rounded_once(bias) -> None:
+    w = _bf16(96, 320, seed=3, scale=0.05)
+    b = _bf16(96, seed=4) if bias else None
+    x = _bf16(7, 320, seed=5)
+    lin = HalfPackedLinear(w, b, torch.bfloat16, invariant_row_block())
+    ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+    got = lin(x.view(1, 7, 320))
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 7, 96)
+    # float32 sums in another order, then one rounding: within one bfloat16 step of the product
+    assert ((got[0].float() - ref).abs() <= ref.abs() * 2**-7 + 1e-5).all()
+    normal = w.float().abs() >= 2**-14  # float16 holds these bfloat16 values exactly
+    assert torch.equal(lin.weight.float()[normal], w.float()[normal])
+
+
+@needs_fbgemm
+def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_model) -> None:
+    """bfloat16, quantization none: every target linear and the (tied) output layer are packed and
+    padded; logits stay close to transformers' float32 forward (as close as the F.linear path)."""
+    folder = tiny_checkpoint("qwen2")  # tied output layer, q/k/v bias
+    model, cfg = load_target(folder, torch.bfloat16, CPU, 64)
+    packed = [m for m in model.modules() if isinstance(m, HalfPackedLinear)]
+    assert len(packed) == 2 * cfg.num_layers * 2 + 1  # qkv, o, gate_up, down per layer; lm_head
+    assert all(m.row_block == invariant_row_block() for m in packed)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    import test_quant
+
+    prompt = test_quant.PROMPT
+    ref = hf_logits(hf_model(folder), prompt)
+    got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
+    plain = load_target(folder, torch.bfloat16, CPU, 64)[0]
+    for name, mod in list(plain.named_modules()):  # the same model on F.linear
+        if isinstance(mod, HalfPackedLinear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None).bfloat16()
+            lin.weight.data = mod.weight
+            if mod.bias is not None:
+                lin.bias.data = mod.bias.bfloat16()
+            parent, _, attr = name.rpartition(".")
+            setattr(plain.get_submodule(parent) if parent else plain, attr, lin)
+    base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
+    err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
+    assert err <= 1.5 * base_err + 1e-3, (err, base_err)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_fbgemm
+def test_head_is_packed_without_padding(tmp_path) -> None:
+    from augury.models.eagle3 import load_eagle3
+    from speculative_helpers import make_target, random_head
+
+    target, head_dir = make_target(tmp_path / "t"), random_head(tmp_path / "h")
+    model, cfg = load_target(target, torch.bfloat16, CPU, 64)
+    head = load_eagle3(head_dir, cfg, model.embed_tokens, torch.bfloat16, CPU, 64)
+    packed = [m for m in head.modules() if isinstance(m, HalfPackedLinear)]
+    assert packed and all(m.row_block == 1 for m in packed)
+
+
+def test_not_used_where_it_does_not_apply(monkeypatch) -> None:
+    assert not half_gemm_available(torch.float32, CPU)
+    monkeypatch.setattr("augury.models.quant.native_bf16_gemm", lambda: True)
+    assert not half_gemm_available(torch.bfloat16, CPU)
+
+
+def test_weights_past_float16_range_keep_f_linear() -> None:
+    root = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        root[1].weight[0, 0] = 1e6
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no fbgemm")
+    assert pack_half_linears(root, torch.bfloat16, 6) == 1
+    assert isinstance(root[0], HalfPackedLinear) and type(root[1]) is torch.nn.Linear
+
+
+@needs_fbgemm
+def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path) -> None:
+    """Batched and alone, bit for bit: the padding makes verified rows decode rows. With the
+    padding taken away (one row per call), the same comparison is not guaranteed; the test that
+    fbgemm's unpadded rows differ is above."""
+    from speculative_helpers import make_target, random_head
+    from test_quant import _prompts
+
+    target, head = make_target(tmp_path / "t"), random_head(tmp_path / "h")
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 17, 30, 9, 20)]
+    prompts = _prompts(len(params))
+    common = dict(dtype="bfloat16", quantization="none", log_stats_interval=0)
+    plain = LLM(str(target), speculative_algorithm="none", **common)
+    spec = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, **common)
+    assert isinstance(spec.engine.model.layers[0].mlp.down_proj, HalfPackedLinear)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    alone = [spec.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
+    assert alone == want
+    assert spec.engine.stats.steps_spec > 0
+    assert dense.invariant_row_block() > 1
