@@ -19,6 +19,7 @@ from augury import LLM, SamplingParams
 from augury.attention import TorchPagedBackend
 from augury.engine.kv_cache import KVCache
 from augury.models import quant
+from augury.models.dense import HalfPackedLinear, half_gemm_available
 from augury.models.eagle3 import load_eagle3
 from augury.models.gguf import INT4_FILE, INT4_INDEX, convert_gguf_to_hf
 from augury.models.loader import load_target
@@ -320,8 +321,11 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
                 # d and z each off by <= 2^-9 relative, |q - 8| d and |z| both <= max |w| of the row,
                 # and the value itself rounds to bfloat16: <= 2^-8 (|w| + 2 max |w|)
                 assert _within(got, ref, 2**-7)
-    # the tied output layer comes from the Q8_0 embedding: int8 per channel, its own copy
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed_tokens, torch.nn.Embedding)
+    # the tied output layer comes from the Q8_0 embedding, its own copy: packed for fbgemm's float16
+    # GEMM in 16-bit dtypes where that serves (models/dense.py), else int8 per channel
+    packed = dtype != torch.float32 and half_gemm_available(dtype, torch.device("cpu"))
+    assert isinstance(model.lm_head, HalfPackedLinear if packed else Int8Linear)
+    assert isinstance(model.embed_tokens, torch.nn.Embedding)
 
 
 def test_gguf_auto_is_native_int4_in_16_bit_and_dense_in_float32(q4_gguf) -> None:

@@ -120,3 +120,15 @@ def pack_half_linears(root: nn.Module, dtype: torch.dtype, row_block: int = 1) -
                 HalfPackedLinear(child.weight, child.bias, dtype, row_block))
         swapped += 1
     return swapped
+
+
+def packed_output_layer(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> HalfPackedLinear | None:
+    """The target's output layer (`layer`: an nn.Linear, or the embedding of a tied model) packed
+    and padded, wherever the float16 GEMM serves this dtype and device; None otherwise. Quantised
+    targets take it too, instead of an int8 output layer: on the demo's (49152 x 576, 2 threads)
+    1 row 4.75 ms against int8's 4.36, 9 rows 9.8 against 17.1, 12 rows 10.5 against 20.1, and
+    float16 holds the weights closer than int8 does."""
+    block = invariant_row_block() if half_gemm_available(dtype, device) else None
+    if block is None or layer.weight.detach().abs().max().item() > HALF_MAX:
+        return None
+    return HalfPackedLinear(layer.weight, getattr(layer, "bias", None), dtype, block)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from augury.models.config import TargetConfig
-from augury.models.dense import HalfPackedLinear, half_gemm_available, invariant_row_block, pack_half_linears
+from augury.models.dense import half_gemm_available, invariant_row_block, pack_half_linears, packed_output_layer
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
@@ -135,7 +135,8 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
     """Swap in the int4 weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE):
     Q4_0/Q4_1 tensors run as int4 in their exact value (scales rounded to `dtype` only); a linear
     whose source was 8-bit (Q8_0: the demo's tied output layer) runs as int8 per channel,
-    requantised from its dense weights; anything else stays dense. Returns the int4 count."""
+    requantised from its dense weights, except an output layer where fbgemm's float16 GEMM serves
+    (models/dense.packed_output_layer); anything else stays dense. Returns the int4 count."""
     from augury.models import quant
 
     index = json.loads((folder / INT4_INDEX).read_text())
@@ -161,6 +162,8 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                 if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
                     new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, threshold["int4"])
                     count += 1
+            elif path == "lm_head" and (packed := packed_output_layer(dense, dtype, device)) is not None:
+                new = packed
             elif all(sources.get(n) == "Q8_0" for n in names):
                 new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype, threshold["int8"])
             if new is not None:
@@ -216,6 +219,5 @@ def load_target(
     if model.quantization == "none" and half_gemm_available(dtype, device) and (block := invariant_row_block()):
         # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
         pack_half_linears(model.layers, dtype, block)
-        out = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.lm_head = HalfPackedLinear(out, getattr(model.lm_head, "bias", None), dtype, block)
+        model.lm_head = packed_output_layer(model.lm_head or model.embed_tokens, dtype, device)
     return model, cfg

@@ -264,7 +264,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
                    row_threshold: int | None | str = "default") -> nn.Module:
     """Quantise a TargetModel's layer stack and output layer in place (the embedding lookup stays
     dense; a tied output layer gets its own quantised copy of the embedding, in
-    OUTPUT_LAYER_MODE[mode]). Returns `model`, with `model.quantization` set to the mode."""
+    OUTPUT_LAYER_MODE[mode], or packed for fbgemm's float16 GEMM where that serves: dense.py). Returns `model`, with `model.quantization` set to the mode."""
     device = model.embed_tokens.weight.device
     if mode != "none":
         quantize_linears(model.layers, mode, dtype, device, row_threshold=row_threshold)
@@ -272,7 +272,11 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
         bias = getattr(model.lm_head, "bias", None) if model.lm_head is not None else None
         out_mode = OUTPUT_LAYER_MODE[mode]
         threshold = default_row_threshold(out_mode, dtype, device) if row_threshold == "default" else row_threshold
-        head = quantize_linear(out, bias, out_mode, dtype, threshold, "lm_head")
+        from augury.models.dense import packed_output_layer
+
+        layer = model.lm_head if model.lm_head is not None else model.embed_tokens
+        head = packed_output_layer(layer, dtype, device) or quantize_linear(out, bias, out_mode, dtype, threshold,
+                                                                             "lm_head")
         if head is not None:
             model.lm_head = head.to(device)
     model.quantization = mode
