@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.models import dense
-from augury.models.dense import HalfPackedLinear, half_gemm_available, invariant_row_block, pack_half_linears
+from augury.models.dense import NO_PADDING, PROBE_ROWS, HalfPackedLinear, half_gemm_available, pack_half_linears, row_padding
 from augury.models.loader import load_target
 from conftest import hf_logits
 
@@ -28,15 +27,16 @@ def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 @needs_fbgemm
 def test_padded_rows_are_computed_as_if_alone() -> None:
-    """A demo-shaped layer (another weight than the probe's): every row of 1-40-row calls, at
-    any offset, equals the row computed alone, with the probed padding."""
-    block = invariant_row_block()
-    assert block is not None
-    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, block)
-    x = _bf16(64, 1536, seed=2)
-    alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
-    for m in (2, 3, 5, block, block + 1, 13, 40):
-        for start in (0, 7, 64 - m):
+    """A demo-shaped layer (another weight than the probe's): every row of calls of 1-40 rows and of
+    row counts past the probed table, at several offsets, equals the row computed alone."""
+    padding = row_padding()
+    assert padding is not None and padding.block > 1
+    assert all(m <= padding(m) <= -(-m // padding.block) * padding.block for m in range(1, 300))
+    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, padding)
+    x = _bf16(300, 1536, seed=2)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(300)])
+    for m in [*range(1, 41), PROBE_ROWS + 1, PROBE_ROWS + 7, 250]:
+        for start in (0, 7, 300 - m):
             assert torch.equal(lin(x[start : start + m]), alone[start : start + m]), (m, start)
 
 
@@ -44,7 +44,7 @@ def test_padded_rows_are_computed_as_if_alone() -> None:
 def test_unpadded_rows_depend_on_their_batch() -> None:
     """Why the target pads: without it some row of some batch comes out different (if fbgemm ever
     stops doing this, the padding can go)."""
-    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, 1)
+    lin = HalfPackedLinear(_bf16(576, 1536, seed=1, scale=0.03), None, torch.bfloat16, NO_PADDING)
     x = _bf16(16, 1536, seed=2)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
     assert any(not torch.equal(lin(x[:m]), alone[:m]) for m in range(2, 16))
@@ -56,7 +56,7 @@ def test_half_packed_linear_is_a_float32_product_rounded_once(bias) -> None:
     w = _bf16(96, 320, seed=3, scale=0.05)
     b = _bf16(96, seed=4) if bias else None
     x = _bf16(7, 320, seed=5)
-    lin = HalfPackedLinear(w, b, torch.bfloat16, invariant_row_block())
+    lin = HalfPackedLinear(w, b, torch.bfloat16, row_padding())
     ref = x.float() @ w.float().t() + (b.float() if bias else 0)
     got = lin(x.view(1, 7, 320))
     assert got.dtype == torch.bfloat16 and got.shape == (1, 7, 96)
@@ -74,7 +74,7 @@ def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_mode
     model, cfg = load_target(folder, torch.bfloat16, CPU, 64)
     packed = [m for m in model.modules() if isinstance(m, HalfPackedLinear)]
     assert len(packed) == 2 * cfg.num_layers * 2 + 1  # qkv, o, gate_up, down per layer; lm_head
-    assert all(m.row_block == invariant_row_block() for m in packed)
+    assert all(m.padding is row_padding() for m in packed)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     import test_quant
 
@@ -105,7 +105,7 @@ def test_head_is_packed_without_padding(tmp_path) -> None:
     model, cfg = load_target(target, torch.bfloat16, CPU, 64)
     head = load_eagle3(head_dir, cfg, model.embed_tokens, torch.bfloat16, CPU, 64)
     packed = [m for m in head.modules() if isinstance(m, HalfPackedLinear)]
-    assert packed and all(m.row_block == 1 for m in packed)
+    assert packed and all(m.padding is NO_PADDING for m in packed)
 
 
 def test_not_used_where_it_does_not_apply(monkeypatch) -> None:
@@ -126,9 +126,9 @@ def test_weights_past_float16_range_keep_f_linear() -> None:
 
 @needs_fbgemm
 def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path) -> None:
-    """Batched and alone, bit for bit: the padding makes verified rows decode rows. With the
-    padding taken away (one row per call), the same comparison is not guaranteed; the test that
-    fbgemm's unpadded rows differ is above."""
+    """Batched and alone, bit for bit: the padding makes verified rows decode rows (without it the
+    comparison is not guaranteed: unpadded rows differ, see above; tests/test_draft_budget.py's
+    bfloat16 run fails with the target unpadded)."""
     from speculative_helpers import make_target, random_head
     from test_quant import _prompts
 
@@ -145,4 +145,3 @@ def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path
     alone = [spec.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
     assert alone == want
     assert spec.engine.stats.steps_spec > 0
-    assert dense.invariant_row_block() > 1

@@ -13,12 +13,13 @@ normal range (|w| >= 2**-14; smaller ones round to float16 subnormals, an absolu
 upcast exactly, products accumulate in float32 and the output rounds once into the model's
 dtype, as a bfloat16 F.linear does.
 
-Row-count invariance: fbgemm splits the rows into blocks of its kernel's height and runs the
-remainder through smaller kernels, whose sums come out different in the last bits. Padding every
-call to a multiple of the full height makes each row's result independent of the rows beside it
-(`row_block`; found by a probe at first use, 6 on AVX2). The target always pads, so a verified
-node equals a decode step at its position bit for bit, and a request's tokens do not depend on
-its batch; the price is at one row: 34.5 ms padded against 25.7 ms unpadded (demo, per token).
+Row-count invariance: fbgemm splits the rows among kernels of several heights, and its one- and
+two-row kernels sum in another order than the others (rows 1-2 of a call, or a 1-2-row
+remainder, come out different in the last bits). The target pads each call with zero rows to a
+count whose split avoids them (`row_padding`, probed at first use: on AVX2 the kernel height is 6,
+1-2 rows run as 3, 7 as 8, 14 as 15, and most counts as themselves), so each row's result is
+independent of the rows beside it: a verified node equals a decode step at its position bit for
+bit, and a request's tokens do not depend on its batch.
 The EAGLE-3 head's drafts are only proposals and never pad. Without an invariant padding the
 target keeps F.linear.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 HALF_MAX = 65504.0
+PROBE_ROWS = 128  # row counts whose padding is probed one by one; above, multiples of the kernel height
 # candidate kernel heights, the most likely first (fbgemm's float16 GEMM: 6 rows on AVX2)
 ROW_BLOCK_CANDIDATES = (6, 14, 12, 8, 16, 24, 28)
 
@@ -46,46 +49,76 @@ def half_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def _padded_gemm(x: torch.Tensor, packed, block: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowPadding:
+    """How many rows a call of m rows runs as (zero rows appended) so that each row comes out as it
+    would alone: table[m] for m < len(table), else the next multiple of `block` (fbgemm's full
+    kernel height)."""
+
+    block: int
+    table: tuple[int, ...]
+
+    def __call__(self, m: int) -> int:
+        return self.table[m] if m < len(self.table) else -(-m // self.block) * self.block
+
+
+NO_PADDING = RowPadding(1, ())
+
+
+def _gemm(x: torch.Tensor, packed, rows: int) -> torch.Tensor:
+    """x [m, K] through the packed weight as a call of `rows` >= m rows."""
     m = x.shape[0]
-    pad = (-m) % block
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if rows > m:
+        x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
     y = torch.ops.quantized.linear_dynamic_fp16(x, packed)
-    return y[:m] if pad else y
+    return y[:m] if rows > m else y
+
+
+def _up(m: int, block: int) -> int:
+    return -(-m // block) * block
 
 
 @functools.lru_cache(maxsize=1)
-def invariant_row_block() -> int | None:
-    """The smallest row padding under which fbgemm's float16 GEMM computes each row the same
-    whatever rows share the call (alone, beside 1..3*block others, at any position); None if no
-    candidate passes (then the target keeps F.linear)."""
+def row_padding() -> RowPadding | None:
+    """Probe fbgemm's float16 GEMM: first the smallest kernel height `block` such that padding every
+    call to a multiple of it computes each row as alone (at 2..3*block+1 rows, two offsets), then,
+    against those rows, the smallest padding of each m up to PROBE_ROWS that does the same (most
+    m need none: on AVX2 1 and 2 rows run as 3, 7 as 8, 14 as 15, 31-32 as 33). None if no block
+    passes (then the target keeps F.linear)."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(96, 320, generator=gen) * 0.05).bfloat16().float()
-    x = torch.randn(64, 320, generator=gen).bfloat16().float()
+    x = torch.randn(PROBE_ROWS + 16, 320, generator=gen).bfloat16().float()
     packed = torch.ops.quantized.linear_prepack_fp16(w, None)
     for block in ROW_BLOCK_CANDIDATES:
-        alone = torch.cat([_padded_gemm(x[i : i + 1], packed, block) for i in range(x.shape[0])])
-        if all(torch.equal(_padded_gemm(x[s : s + m].contiguous(), packed, block), alone[s : s + m])
-               for m in range(2, min(3 * block + 2, x.shape[0] - 5)) for s in (0, 5)):
-            return block
-    log.warning("no row padding makes fbgemm's float16 GEMM row-count invariant here; the target keeps F.linear")
-    return None
+        alone = torch.cat([_gemm(x[i : i + 1], packed, block) for i in range(64)])
+        if all(torch.equal(_gemm(x[s : s + m], packed, _up(m, block)), alone[s : s + m])
+               for m in range(2, min(3 * block + 2, 64 - 5)) for s in (0, 5)):
+            break
+    else:
+        log.warning("no row padding makes fbgemm's float16 GEMM row-count invariant here; the target keeps F.linear")
+        return None
+    ref = torch.cat([_gemm(x[i : i + block], packed, block) for i in range(0, x.shape[0], block)])
+    table = [0]
+    for m in range(1, PROBE_ROWS + 1):
+        table.append(next(r for r in range(m, _up(m, block) + 1)
+                          if r == _up(m, block) or all(torch.equal(_gemm(x[s : s + m], packed, r), ref[s : s + m])
+                                                       for s in (0, 7, 16 - m % 5))))
+    return RowPadding(block, tuple(table))
 
 
 class HalfPackedLinear(nn.Module):
     """y = x @ W.T (+ b) with W packed for fbgemm as float16; input and output in `dtype`.
 
-    row_block: pad each call's rows to a multiple of this (1: no padding; see the module doc)."""
+    padding: how many rows a call of m rows runs as (NO_PADDING: m; see the module doc)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 row_block: int = 1) -> None:
+                 padding: RowPadding = NO_PADDING) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
-        self.row_block = row_block
+        self.padding = padding
 
     @property
     def weight(self) -> torch.Tensor:
@@ -95,18 +128,18 @@ class HalfPackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        y = _padded_gemm(x2, self.packed, self.row_block)
+        y = _gemm(x2, self.packed, self.padding(x2.shape[0]))
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={self.dtype}, row_block={self.row_block}")
+                f"dtype={self.dtype}, padded={self.padding is not NO_PADDING}")
 
 
-def pack_half_linears(root: nn.Module, dtype: torch.dtype, row_block: int = 1) -> int:
-    """Swap every nn.Linear under `root` for a HalfPackedLinear padding its rows to `row_block`
+def pack_half_linears(root: nn.Module, dtype: torch.dtype, padding: RowPadding = NO_PADDING) -> int:
+    """Swap every nn.Linear under `root` for a HalfPackedLinear padding its rows by `padding`
     (those with weights past float16's range stay); returns how many were swapped."""
     swapped = 0
     for name, child in list(root.named_modules()):
@@ -117,7 +150,7 @@ def pack_half_linears(root: nn.Module, dtype: torch.dtype, row_block: int = 1) -
             continue
         parent, _, attr = name.rpartition(".")
         setattr(root.get_submodule(parent) if parent else root, attr,
-                HalfPackedLinear(child.weight, child.bias, dtype, row_block))
+                HalfPackedLinear(child.weight, child.bias, dtype, padding))
         swapped += 1
     return swapped
 
@@ -128,7 +161,7 @@ def packed_output_layer(layer: nn.Module, dtype: torch.dtype, device: torch.devi
     targets take it too, instead of an int8 output layer: on the demo's (49152 x 576, 2 threads)
     1 row 4.75 ms against int8's 4.36, 9 rows 9.8 against 17.1, 12 rows 10.5 against 20.1, and
     float16 holds the weights closer than int8 does."""
-    block = invariant_row_block() if half_gemm_available(dtype, device) else None
-    if block is None or layer.weight.detach().abs().max().item() > HALF_MAX:
+    padding = row_padding() if half_gemm_available(dtype, device) else None
+    if padding is None or layer.weight.detach().abs().max().item() > HALF_MAX:
         return None
-    return HalfPackedLinear(layer.weight, getattr(layer, "bias", None), dtype, block)
+    return HalfPackedLinear(layer.weight, getattr(layer, "bias", None), dtype, padding)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from augury.models.config import TargetConfig
-from augury.models.dense import half_gemm_available, invariant_row_block, pack_half_linears, packed_output_layer
+from augury.models.dense import half_gemm_available, pack_half_linears, packed_output_layer, row_padding
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
@@ -216,8 +216,8 @@ def load_target(
         from augury.models.quant import quantize_model
 
         quantize_model(model, mode, dtype)
-    if model.quantization == "none" and half_gemm_available(dtype, device) and (block := invariant_row_block()):
+    if model.quantization == "none" and half_gemm_available(dtype, device) and (padding := row_padding()):
         # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
-        pack_half_linears(model.layers, dtype, block)
+        pack_half_linears(model.layers, dtype, padding)
         model.lm_head = packed_output_layer(model.lm_head or model.embed_tokens, dtype, device)
     return model, cfg
