@@ -198,6 +198,12 @@ class TorchStepAttention:
         self.masked = masked
         self.exact = exact
         self.compute_dtype = compute_dtype  # None: the cache's dtype
+        # each exact group's key mask as the additive mask SDPA would make of it, once per step rather
+        # than once per layer (0 where a key is real, -inf on padding: the same scores)
+        dt = compute_dtype or k_cache.dtype
+        self.exact_masks = None if exact is None else [
+            torch.zeros(valid.shape, dtype=dt, device=valid.device).masked_fill_(~valid, float("-inf"))
+            for _, _, valid in exact.groups]
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
         if self.compute_dtype is None:
@@ -228,11 +234,11 @@ class TorchStepAttention:
         flat = q.reshape(-1, 1, nh, hd)
         out = None
         exact = self.exact
-        for rows, slots, valid in exact.groups:
+        for (rows, slots, valid), mask in zip(exact.groups, self.exact_masks):
             g, w = valid.shape[0], valid.shape[-1]
             k = k_cache.index_select(0, slots).view(g, w, nkv, hd)
             v = v_cache.index_select(0, slots).view(g, w, nkv, hd)
-            o = self._attend(flat[rows], k, v, valid, False)
+            o = self._attend(flat[rows], k, v, mask, False)
             if len(exact.groups) == 1:
                 return o
             if out is None:

@@ -28,13 +28,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: PagedAttention, layer: int):
         b, ql, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, Q, (nh + 2 nkv) hd]
-        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(b, ql, self.nh, self.hd)
-        k = k.view(b, ql, self.nkv, self.hd)
+        qk, v = qkv.split([(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
+        qk = qk.view(b, ql, self.nh + self.nkv, self.hd)
         v = v.view(b, ql, self.nkv, self.hd)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split([self.nh, self.nkv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # one rotation for the query and key heads together (elementwise per head: the same numbers)
+        q, k = apply_rope(qk, cos, sin).split([self.nh, self.nkv], dim=2)
         return self.o_proj(attn(layer, q, k, v))  # the backend writes k, v to the cache and attends
 
 
