@@ -381,3 +381,19 @@ def test_bench_mixed_prompts_and_the_comparison_systems(tiny_checkpoint, tmp_pat
                     "--systems", "augury-off,augury-adaptive-step,augury-adaptive")
     assert {r["system"] for r in report["results"]} == {"augury-off", "augury-adaptive-step", "augury-adaptive"}
     assert all(r["greedy_match"] == 1.0 for r in report["results"])
+
+
+def test_import_sets_passive_openmp_waiting_unless_the_environment_says_otherwise() -> None:
+    """augury waits passively at OpenMP barriers (see augury/__init__.py); a user's own setting stays.
+    Checked in fresh interpreters, and before torch is loaded (OpenMP reads it then)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, os, augury; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["PASSIVE", "False"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["ACTIVE", "False"]
