@@ -179,6 +179,25 @@ def test_a_request_starts_from_the_batch_estimate_and_moves_to_its_own():
     assert policy.request_rates(old)[0] > 0.9
 
 
+def test_alone_a_request_whose_last_drafts_failed_drafts_again_within_a_few_steps():
+    """Batch 1: a request whose own recent drafts all failed stops drafting, but in plain steps its
+    record fades towards the batch-level rates (which say drafting pays), so it is tried again a few
+    steps later, not after REVISIT_EVERY steps (nothing else would bring it back: no other request
+    drafts). Without the fading it would stay plain for the rest of its answer."""
+    from augury.speculative import adaptive
+
+    policy = AdaptivePolicy(CHAIN, None, **COSTS)
+    other, req = _req(0), _req(1)
+    _teach(policy, CHAIN, [other], [4], times=60)  # the batch-level record: long drafts accepted
+    _teach(policy, CHAIN, [req], [0], times=8)  # this request's last eight drafts: all rejected
+    assert policy.plan([req]).shape is None  # its own record says no
+    plain_steps = 1
+    while policy.plan([req]).shape is None:
+        plain_steps += 1
+        assert plain_steps < 30
+    assert plain_steps < adaptive.REVISIT_EVERY // 8
+
+
 def test_a_requests_state_goes_with_it():
     policy = AdaptivePolicy(CHAIN, None, **COSTS)
     reqs = [_req(i) for i in range(3)]

@@ -38,8 +38,9 @@ node count, so the problem splits per request), which raises G until no request'
 changes it. A request whose acceptance cannot pay for its nodes gets 0 (a root-only row, a plain
 decode step) while the others draft. With one acceptance for all it reduces to the batch-level
 rule: G is then monotonic in the number of drafting rows, so all draft or none. A request that
-does not draft drifts back to the batch's rates (IDLE_KEEP per step) and is tried again now and
-then. A mixed step's time, scaled up to the whole shape by the same share, feeds the measurements.
+does not draft drifts back to the batch's rates (IDLE_KEEP per step while others draft, PLAIN_KEEP
+per step while nobody does: at batch 1 a request whose last few drafts failed would otherwise
+never draft again) and is tried again now and then. A mixed step's time, scaled up to the whole shape by the same share, feeds the measurements.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ REVISIT_EVERY = 256  # while off, every so many steps draft the cheapest draft (
 OWN_PRIOR = 1.0  # a request's own acceptance starts as this many observations at the batch-level rates
 OWN_KEEP = 0.9  # weight a request's own counts keep at each of its observations (its last ~10 steps)
 IDLE_KEEP = 0.99  # ... at each step it does not draft while others do: it drifts back to the batch's rates
+PLAIN_KEEP = 0.9  # ... at each step where nobody drafts (half-life ~7 steps)
 MIN_SHARE = 0.25  # a step that drafted for less than this share of the shape's cost is not timed (too noisy to scale up)
 DINKELBACH_ROUNDS = 20  # the iteration converges in a handful; a bound all the same
 
@@ -343,7 +345,14 @@ class AdaptivePolicy:
                 opts = self._options(cheapest, caps, expected, whole=True)
                 best_d, best = cheapest, {row: o[0] for row, o in enumerate(opts) if o}
         self.choices[best_d] = self.choices.get(best_d, 0) + 1
-        if not best_d or not best:  # nobody learns in a plain step, and nobody forgets
+        if not best_d or not best:
+            # nobody learns in a plain step; a request's own record fades towards the batch-level
+            # rates (PLAIN_KEEP), so a few unlucky steps do not keep it from drafting for the rest of
+            # its answer (at batch 1 no other request drafts, and nothing else would bring it back)
+            for r in reqs:
+                own = self.own.get(r)
+                if own is not None:
+                    own.decay(PLAIN_KEEP)
             return StepPlan(None, tuple(0 for _ in reqs))
         self._idle(reqs, best)
         self.rows_planned += b
