@@ -238,7 +238,15 @@ class TorchStepAttention:
             g, w = valid.shape[0], valid.shape[-1]
             k = k_cache.index_select(0, slots).view(g, w, nkv, hd)
             v = v_cache.index_select(0, slots).view(g, w, nkv, hd)
-            o = self._attend(flat[rows], k, v, mask, False)
+            qr = flat[rows]
+            if g == 1 and k.device.type == "cpu":
+                # torch's CPU attention computes a lone row another way than a row among others at more
+                # than one thread (the last bits differ; measured at 2 threads, none at 1): run it as
+                # two identical rows, so a decode step's row is a verified node's row bit for bit
+                qr, k, v, mask = (torch.cat([x, x]) for x in (qr, k, v, mask))
+                o = self._attend(qr, k, v, mask, False)[:1]
+            else:
+                o = self._attend(qr, k, v, mask, False)
             if len(exact.groups) == 1:
                 return o
             if out is None:
