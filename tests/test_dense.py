@@ -145,3 +145,27 @@ def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path
     alone = [spec.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
     assert alone == want
     assert spec.engine.stats.steps_spec > 0
+
+
+@needs_fbgemm
+def test_an_untied_output_layer_past_float16_range_stays(tiny_checkpoint, tmp_path) -> None:
+    """The output layer is only replaced when it can be packed: one weight past float16's range
+    keeps the untied model's own lm_head (it must not fall back to the embedding)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "big"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    files = sorted(folder.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    if "lm_head.weight" not in tensors:
+        pytest.skip("the tiny llama ties its output layer")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
+    tensors["lm_head.weight"][0, 0] = 2.0**20  # exact in bfloat16, past float16
+    for f in files:
+        f.unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model, _ = load_target(folder, torch.bfloat16, CPU, 64)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.lm_head.weight[0, 0].item() == 2.0**20

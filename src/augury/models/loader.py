@@ -219,5 +219,7 @@ def load_target(
     if model.quantization == "none" and half_gemm_available(dtype, device) and (padding := row_padding()):
         # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
         pack_half_linears(model.layers, dtype, padding)
-        model.lm_head = packed_output_layer(model.lm_head or model.embed_tokens, dtype, device)
+        out = packed_output_layer(model.embed_tokens if model.lm_head is None else model.lm_head, dtype, device)
+        if out is not None:  # None: weights past float16's range, the output layer stays as it was
+            model.lm_head = out
     return model, cfg

@@ -264,7 +264,8 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
                    row_threshold: int | None | str = "default") -> nn.Module:
     """Quantise a TargetModel's layer stack and output layer in place (the embedding lookup stays
     dense; a tied output layer gets its own quantised copy of the embedding, in
-    OUTPUT_LAYER_MODE[mode], or packed for fbgemm's float16 GEMM where that serves: dense.py). Returns `model`, with `model.quantization` set to the mode."""
+    OUTPUT_LAYER_MODE[mode], or packed for fbgemm's float16 GEMM where that serves: dense.py).
+    Returns `model`, with `model.quantization` set to the mode."""
     device = model.embed_tokens.weight.device
     if mode != "none":
         quantize_linears(model.layers, mode, dtype, device, row_threshold=row_threshold)
