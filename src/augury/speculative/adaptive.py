@@ -40,7 +40,8 @@ decode step) while the others draft. With one acceptance for all it reduces to t
 rule: G is then monotonic in the number of drafting rows, so all draft or none. A request that
 does not draft drifts back to the batch's rates (IDLE_KEEP per step while others draft, PLAIN_KEEP
 per step while nobody does: at batch 1 a request whose last few drafts failed would otherwise
-never draft again) and is tried again now and then. A mixed step's time, scaled up to the whole shape by the same share, feeds the measurements.
+never draft again) and is tried again now and then. A mixed step's time, scaled up to the whole
+shape by the same share, feeds the measurements.
 """
 from __future__ import annotations
 
