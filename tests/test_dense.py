@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.models.dense import NO_PADDING, PROBE_ROWS, HalfPackedLinear, half_gemm_available, pack_half_linears, row_padding
+from augury.models.dense import (NO_PADDING, PROBE_ROWS, HalfPackedLinear, half_gemm_available, pack_half_linears,
+                                 row_padding)
 from augury.models.loader import load_target
 from conftest import hf_logits
 
