@@ -198,12 +198,19 @@ class TorchStepAttention:
         self.masked = masked
         self.exact = exact
         self.compute_dtype = compute_dtype  # None: the cache's dtype
-        # each exact group's key mask as the additive mask SDPA would make of it, once per step rather
-        # than once per layer (0 where a key is real, -inf on padding: the same scores)
+        # Per exact group, once per step rather than once per layer: the additive mask SDPA would make
+        # of its key mask (0 where a key is real, -inf on padding: the same scores), and a lone row's
+        # slots and mask doubled. torch's CPU attention computes a lone row another way than a row
+        # among others at more than one thread (the last bits differ; measured at 2 threads, none at
+        # 1), so a lone row runs as two identical rows: a decode step's row is a verified node's row.
         dt = compute_dtype or k_cache.dtype
-        self.exact_masks = None if exact is None else [
-            torch.zeros(valid.shape, dtype=dt, device=valid.device).masked_fill_(~valid, float("-inf"))
-            for _, _, valid in exact.groups]
+        self.exact_calls: list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        for rows, slots, valid in exact.groups if exact is not None else ():
+            mask = torch.zeros(valid.shape, dtype=dt, device=valid.device).masked_fill_(~valid, float("-inf"))
+            lone = valid.shape[0] == 1 and valid.device.type == "cpu"
+            if lone:
+                slots, mask = torch.cat([slots, slots]), torch.cat([mask, mask])
+            self.exact_calls.append((rows, slots, mask, lone))
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
         if self.compute_dtype is None:
@@ -234,17 +241,13 @@ class TorchStepAttention:
         flat = q.reshape(-1, 1, nh, hd)
         out = None
         exact = self.exact
-        for (rows, slots, valid), mask in zip(exact.groups, self.exact_masks):
-            g, w = valid.shape[0], valid.shape[-1]
+        for rows, slots, mask, lone in self.exact_calls:
+            g, w = mask.shape[0], mask.shape[-1]
             k = k_cache.index_select(0, slots).view(g, w, nkv, hd)
             v = v_cache.index_select(0, slots).view(g, w, nkv, hd)
             qr = flat[rows]
-            if g == 1 and k.device.type == "cpu":
-                # torch's CPU attention computes a lone row another way than a row among others at more
-                # than one thread (the last bits differ; measured at 2 threads, none at 1): run it as
-                # two identical rows, so a decode step's row is a verified node's row bit for bit
-                qr, k, v, mask = (torch.cat([x, x]) for x in (qr, k, v, mask))
-                o = self._attend(qr, k, v, mask, False)[:1]
+            if lone:
+                o = self._attend(torch.cat([qr, qr]), k, v, mask, False)[:1]
             else:
                 o = self._attend(qr, k, v, mask, False)
             if len(exact.groups) == 1:

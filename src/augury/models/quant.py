@@ -269,15 +269,14 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
     device = model.embed_tokens.weight.device
     if mode != "none":
         quantize_linears(model.layers, mode, dtype, device, row_threshold=row_threshold)
-        out = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-        bias = getattr(model.lm_head, "bias", None) if model.lm_head is not None else None
-        out_mode = OUTPUT_LAYER_MODE[mode]
-        threshold = default_row_threshold(out_mode, dtype, device) if row_threshold == "default" else row_threshold
         from augury.models.dense import packed_output_layer
 
-        layer = model.lm_head if model.lm_head is not None else model.embed_tokens
-        head = packed_output_layer(layer, dtype, device) or quantize_linear(out, bias, out_mode, dtype, threshold,
-                                                                             "lm_head")
+        layer = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
+        out_mode = OUTPUT_LAYER_MODE[mode]
+        threshold = default_row_threshold(out_mode, dtype, device) if row_threshold == "default" else row_threshold
+        head = packed_output_layer(layer, dtype, device)
+        if head is None:
+            head = quantize_linear(layer.weight, getattr(layer, "bias", None), out_mode, dtype, threshold, "lm_head")
         if head is not None:
             model.lm_head = head.to(device)
     model.quantization = mode
