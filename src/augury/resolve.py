@@ -102,7 +102,7 @@ def _is_gguf(path: Path) -> bool:
 
 def gguf_cache_dir(path: Path) -> Path:
     """Where the conversion of this GGUF file (as it is now) lives in the cache; nothing is built."""
-    from augury.demo import cache_root
+    from augury.config import cache_root
 
     path = Path(path).expanduser().resolve()
     st = path.stat()

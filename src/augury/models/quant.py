@@ -158,26 +158,59 @@ class Int8Linear(_QuantLinear):
         return self.qweight.float() * self.scales.float()[:, None]
 
 
+INT4_BACKENDS = ("torch", "w4a8")
+
+
+def default_int4_backend(dtype: torch.dtype) -> str:
+    """"w4a8" (augury's kernel, models/cpu_kernels.py) for bfloat16 activations where it builds
+    and loads; else "torch" (torch's int4 kernel: float32, the reference mode, always takes it)."""
+    if dtype != torch.bfloat16:
+        return "torch"
+    from augury.models import cpu_kernels
+
+    return "w4a8" if cpu_kernels.w4a8() is not None else "torch"
+
+
 class Int4Linear(_QuantLinear):
-    """Group-32 asymmetric int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32."""
+    """Group-32 asymmetric int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32.
+
+    Two kernels (`backend`): "torch" (torch's int4 kernel on its packed layout; the activations
+    stay in their dtype) and "w4a8" (augury's, models/cpu_kernels.py: the activations are rounded
+    to int8 per row and group of 32, as llama.cpp does for its Q4 types). Both are row-count
+    invariant; w4a8 costs far less per extra row (verification) and somewhat less per token."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, row_threshold: int | None = None) -> None:
-        """codes [N, K] integers 0..15; scale, zero [N, K / 32] (any float dtype; rounded to `dtype`)."""
+                 dtype: torch.dtype, row_threshold: int | None = None, backend: str | None = None) -> None:
+        """codes [N, K] integers 0..15; scale, zero [N, K / 32] (any float dtype; rounded to `dtype`);
+        backend None = default_int4_backend(dtype)."""
         super().__init__(bias, dtype, row_threshold)
         n, k = codes.shape
         if n % INT4_N_MULTIPLE or k % INT4_GROUP:
             raise ValueError(f"int4 needs out_features % {INT4_N_MULTIPLE} == 0 and in_features % {INT4_GROUP} == 0, "
                              f"got [{n}, {k}]")
+        backend = backend or default_int4_backend(dtype)
+        if backend not in INT4_BACKENDS or (backend == "w4a8" and dtype != torch.bfloat16):
+            raise ValueError(f"int4 backend must be one of {', '.join(INT4_BACKENDS)} (w4a8 with bfloat16 only), "
+                             f"got {backend!r} with {dtype}")
+        self.backend = backend
         self.out_features, self.in_features = n, k
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2))
-        sz = torch.stack([scale.to(dtype), zero.to(dtype)], dim=-1)  # [N, K/32, 2]
-        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
-        self.keep_dense(int4_values(codes, scale.to(dtype).float(), zero.to(dtype).float()))
+        scale, zero = scale.to(dtype), zero.to(dtype)
+        if backend == "w4a8":
+            from augury.models.cpu_kernels import W4A8
+
+            nib, s, z = W4A8.pack(codes, scale, zero)
+            self.register_buffer("w4a8_codes", nib)  # [N, K/32, 16] uint8
+            self.register_buffer("w4a8_scale", s)  # [N, Gp] bfloat16, zero-padded
+            self.register_buffer("w4a8_zero", z)
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2))
+            sz = torch.stack([scale, zero], dim=-1)  # [N, K/32, 2]
+            self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
+        self.keep_dense(int4_values(codes, scale.float(), zero.float()))
 
     @staticmethod
     def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   row_threshold: int | None = None) -> "Int4Linear":
+                   row_threshold: int | None = None, backend: str | None = None) -> "Int4Linear":
         n, k = weight.shape
         w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
@@ -187,13 +220,29 @@ class Int4Linear(_QuantLinear):
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
-        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, row_threshold)
+        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, row_threshold, backend)
 
     def scales_device(self) -> torch.device:
-        return self.scales_and_zeros.device
+        return (self.w4a8_scale if self.backend == "w4a8" else self.scales_and_zeros).device
+
+    def dequantize(self) -> torch.Tensor:
+        if self.backend != "w4a8":
+            return super().dequantize()
+        # the weight values themselves (the kernel also rounds the activations, which no weight shows)
+        nib = self.w4a8_codes
+        codes = torch.cat([nib & 0x0F, nib >> 4], dim=-1).view(self.out_features, self.in_features)
+        g = self.in_features // INT4_GROUP
+        return int4_values(codes, self.w4a8_scale[:, :g].float(), self.w4a8_zero[:, :g].float()).to(self.dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "w4a8":
+            from augury.models.cpu_kernels import w4a8
+
+            return w4a8().linear(x, self.w4a8_codes, self.w4a8_scale, self.w4a8_zero)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", backend={self.backend}"
 
 
 def int4_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

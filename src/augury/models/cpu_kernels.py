@@ -1,0 +1,187 @@
+"""augury's own CPU kernels: C++ sources in models/kernels/, built at first use by the system's
+C++ compiler into the user cache (<cache>/kernels/, keyed by source, flags and compiler) and
+loaded with ctypes. When a kernel cannot be built or loaded (no compiler, not x86-64 with AVX2
+and FMA, AUGURY_CPU_KERNELS=0, a failed build or self-check), augury warns once and the callers
+run torch's kernels instead: a model never comes up half-built.
+
+w4a8 (kernels/w4a8.cpp): int4 weights in groups of 32 (a scale and a zero per group, torch's
+convention w = (q - 8) s + z) against activations rounded per row to int8 in the same groups, the
+integer dot products summed exactly (AVX2 maddubs). It computes every output row in one fixed
+order whatever the other rows and the threads, so rows are row-count invariant; and its cost
+grows with rows far more slowly than torch's int4 kernel (see quant.py for the figures).
+
+The kernel's threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
+process), as many as torch.get_num_threads().
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from augury.config import CPU_KERNELS_VAR, cache_root, cpu_kernels_enabled
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("kernels")
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+GROUP = 32
+CHUNK = 8  # groups the kernel reduces together: per-group arrays are padded to a multiple of this
+BUILD_TIMEOUT_S = 300
+
+_cache: dict[str, object] = {}
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel could not be built or loaded here (the message says why)."""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _cpu_supported() -> str | None:
+    """Why this CPU cannot run the kernels, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return f"needs AVX2 and FMA (torch reports CPU capability {cap})"
+    return None
+
+
+def build(name: str) -> Path:
+    """Compile kernels/<name>.cpp into the cache (once; reused while source, flags and compiler
+    stay the same) and return the shared library's path. Raises KernelUnavailable."""
+    src = SOURCE_DIR / f"{name}.cpp"
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    key = hashlib.sha256("\0".join([src.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    folder = cache_root() / "kernels"
+    lib = folder / f"{name}-{key}.so"
+    if lib.is_file():
+        return lib
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot create {folder}: {e}") from e
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(src), "-o", tmp], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise KernelUnavailable(f"{cxx} failed on {src.name}: {' / '.join(tail)}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"building {src.name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built augury CPU kernel %s (%s)", lib.name, cxx)
+    return lib
+
+
+class W4A8:
+    """The loaded w4a8 kernel."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.augury_w4a8_linear
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i32]
+        fn.restype = i32
+        self._lib, self._fn = lib, fn
+
+    @staticmethod
+    def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """codes [N, K] integers 0..15, scale / zero [N, K / 32] (bfloat16 values) -> the kernel's
+        (codes [N, K / 32, 16] uint8, scale [N, Gp] bfloat16, zero [N, Gp] bfloat16)."""
+        n, k = codes.shape
+        if k % GROUP:
+            raise ValueError(f"w4a8 needs in_features % {GROUP} == 0, got {k}")
+        g = k // GROUP
+        gp = -(-g // CHUNK) * CHUNK
+        c = codes.to(torch.uint8).view(n, g, GROUP)
+        nib = (c[..., :16] | (c[..., 16:] << 4)).contiguous()
+        s = torch.zeros(n, gp, dtype=torch.bfloat16)
+        z = torch.zeros(n, gp, dtype=torch.bfloat16)
+        s[:, :g] = scale.to(torch.bfloat16)
+        z[:, :g] = zero.to(torch.bfloat16)
+        return nib, s, z
+
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's dtype); bias
+        float32 [N] or None. The weights are pack()'s output."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        if codes.device.type != "cpu":
+            raise ValueError(f"w4a8 weights must be on the CPU, not {codes.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        n, g, _ = codes.shape
+        if k != g * GROUP:
+            raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
+        out_dtype = out_dtype or x.dtype
+        y = torch.empty(m, n, dtype=out_dtype)
+        rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
+                      zero.data_ptr(), n, scale.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      int(out_dtype == torch.bfloat16), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
+
+
+def _self_check(k: W4A8) -> None:
+    """Identity weights give back the rounded activations: catches a miscompiled or foreign library."""
+    x = torch.tensor([[0.5, -1.0, 0.25, 2.0] * 16], dtype=torch.float32)  # [1, 64]: exactly representable
+    codes = torch.full((64, 64), 8, dtype=torch.int32)
+    codes[torch.arange(64), torch.arange(64)] = 9
+    packed = k.pack(codes, torch.ones(64, 2), torch.zeros(64, 2))
+    got = k.linear(x, *packed)
+    want = torch.round(x * (127.0 / 2.0)) * (2.0 / 127.0)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
+def w4a8() -> W4A8 | None:
+    """The w4a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
+    if "w4a8" in _cache:
+        return _cache["w4a8"]  # type: ignore[return-value]
+    kernel = None
+    if not cpu_kernels_enabled():
+        log.info("augury CPU kernels off (%s=%s): torch's int4 kernel runs", CPU_KERNELS_VAR,
+                 os.environ.get(CPU_KERNELS_VAR))
+    elif (why := _cpu_supported()) is not None:
+        log.warning("augury's w4a8 CPU kernel %s; torch's int4 kernel runs instead", why)
+    else:
+        try:
+            kernel = W4A8(build("w4a8"))
+            _self_check(kernel)
+        except (KernelUnavailable, OSError, AttributeError) as e:
+            log.warning("augury's w4a8 CPU kernel is unavailable (%s); torch's int4 kernel runs instead", e)
+            kernel = None
+    _cache["w4a8"] = kernel
+    return kernel
+
+
+def reset() -> None:
+    """Forget what w4a8() found (tests)."""
+    _cache.clear()

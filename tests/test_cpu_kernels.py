@@ -1,0 +1,151 @@
+"""augury's own CPU kernel (models/cpu_kernels.py, models/kernels/w4a8.cpp): built and loaded
+where the machine allows, against a float64 reference of its arithmetic, row-count and thread
+invariant, bit for bit; and the fallback to torch's kernel when it cannot be built."""
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+import torch
+
+from augury.models import cpu_kernels
+from augury.models.quant import Int4Linear, default_int4_backend, int4_values
+
+G = 32
+CAN_BUILD = (platform.machine().lower() in ("x86_64", "amd64")
+             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+             and cpu_kernels._compiler() is not None)
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.W4A8:
+    k = cpu_kernels.w4a8()
+    assert k is not None, "the w4a8 kernel did not build or load on a machine that can build it"
+    return k
+
+
+def _parts(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(n, k // G, generator=g) * 0.05 + 0.005).to(torch.bfloat16)
+    zero = (torch.randn(n, k // G, generator=g) * 0.1).to(torch.bfloat16)
+    return codes, scale, zero
+
+
+def _reference(x: torch.Tensor, codes, scale, zero) -> torch.Tensor:
+    """The kernel's arithmetic in float64: activations rounded to int8 per row and group of 32
+    (scale max|x| / 127, ties to even), times the int4 weights' values (q - 8) * s + z."""
+    m, k = x.shape
+    xf = x.float().view(m, k // G, G)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a true division
+    xq = torch.round(xf * inv)
+    xt = (xq.double() * (amax / 127.0).double()).view(m, k)
+    w = int4_values(codes, scale.float(), zero.float()).double()
+    return xt @ w.t()
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [32, 224, 256, 288, 576, 1536])  # 1, 7, 8, 9, 18, 48 groups
+def test_w4a8_matches_its_reference(kernel, k) -> None:
+    n = 48
+    codes, scale, zero = _parts(n, k, seed=k)
+    packed = kernel.pack(codes, scale, zero)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[3, :G] = 0.0  # an all-zero group
+    got = kernel.linear(x, *packed, out_dtype=torch.float32).double()
+    ref = _reference(x, codes, scale, zero)
+    # float32 sums of exact integer dot products: a few float32 steps of the row's magnitude
+    tol = 4e-6 * (ref.abs().amax(-1, keepdim=True) + 1)
+    assert ((got - ref).abs() <= tol).all(), float((got - ref).abs().max())
+    # and the activations are really rounded: the exact-activation product differs
+    exact = x.double() @ int4_values(codes, scale.float(), zero.float()).double().t()
+    assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_w4a8_bias_and_output_dtypes(kernel) -> None:
+    codes, scale, zero = _parts(32, 96)
+    packed = kernel.pack(codes, scale, zero)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    f32 = kernel.linear(x, *packed, out_dtype=torch.float32)
+    # bfloat16 output is the float32 result rounded to nearest
+    assert torch.equal(kernel.linear(x, *packed), f32.to(torch.bfloat16))
+    # a float32 input holding the same values gives the same bits
+    assert torch.equal(kernel.linear(x.float(), *packed, out_dtype=torch.float32), f32)
+    bias = torch.randn(32)
+    torch.testing.assert_close(kernel.linear(x, *packed, bias=bias, out_dtype=torch.float32), f32 + bias)
+
+
+@needs_kernel
+def test_w4a8_rows_are_row_count_and_thread_invariant(kernel) -> None:
+    """Each row comes out bit for bit the same alone, among 1-70 others (past the kernel's tiles of 4
+    and 64 rows) and at 1 or 2 threads."""
+    codes, scale, zero = _parts(64, 576, seed=3)
+    packed = kernel.pack(codes, scale, zero)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([kernel.linear(x[i:i + 1], *packed) for i in range(70)])
+        torch.set_num_threads(2)
+        for m in (1, 2, 3, 5, 8, 9, 13, 64, 65, 70):
+            for start in (0, 70 - m):
+                assert torch.equal(kernel.linear(x[start:start + m], *packed), alone[start:start + m]), (m, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_w4a8_rejects_bad_inputs(kernel) -> None:
+    codes, scale, zero = _parts(16, 64)
+    packed = kernel.pack(codes, scale, zero)
+    with pytest.raises(ValueError, match="features"):
+        kernel.linear(torch.randn(2, 96), *packed)
+    with pytest.raises(ValueError, match="2-D"):
+        kernel.linear(torch.randn(2, 64, dtype=torch.float16), *packed)
+    with pytest.raises(ValueError, match="in_features"):
+        kernel.pack(torch.zeros(16, 40, dtype=torch.int32), scale, zero)
+
+
+@needs_kernel
+def test_int4_linear_takes_w4a8_in_bfloat16_and_torch_in_float32(kernel) -> None:
+    codes, scale, zero = _parts(32, 128)
+    mod = Int4Linear(codes, scale, zero, None, torch.bfloat16)
+    assert mod.backend == "w4a8" and default_int4_backend(torch.float32) == "torch"
+    assert Int4Linear(codes, scale, zero, None, torch.float32).backend == "torch"
+    # the weights it stands for are the int4 values
+    assert torch.equal(mod.dequantize(), int4_values(codes, scale.float(), zero.float()).to(torch.bfloat16))
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    assert torch.equal(mod(x), kernel.linear(x, mod.w4a8_codes, mod.w4a8_scale, mod.w4a8_zero))
+    with pytest.raises(ValueError, match="backend"):
+        Int4Linear(codes, scale, zero, None, torch.float32, backend="w4a8")
+
+
+def test_kernels_off_or_unbuildable_fall_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
+    codes, scale, zero = _parts(16, 64)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    try:
+        monkeypatch.setenv("AUGURY_CPU_KERNELS", "0")
+        cpu_kernels.reset()
+        assert cpu_kernels.w4a8() is None
+        assert Int4Linear(codes, scale, zero, None, torch.bfloat16).backend == "torch"
+        # a compiler that fails: one warning, torch's kernel, and the module still computes
+        monkeypatch.delenv("AUGURY_CPU_KERNELS")
+        monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CXX", "false")
+        monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/bin/false")
+        cpu_kernels.reset()
+        with caplog.at_level(logging.WARNING, logger="augury.models.cpu_kernels"):
+            mod = Int4Linear(codes, scale, zero, None, torch.bfloat16)
+            Int4Linear(codes, scale, zero, None, torch.bfloat16)
+        assert mod.backend == "torch"
+        if CAN_BUILD:
+            assert sum("w4a8" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records) == 1
+        ref = x.float() @ int4_values(codes, scale.float(), zero.float()).t()
+        torch.testing.assert_close(mod(x).float(), ref, rtol=2e-2, atol=2e-2)
+        assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left behind
+    finally:
+        cpu_kernels.reset()
