@@ -9,24 +9,28 @@ logits are compared with the float32 reference: mean |logit error| and top-1 agr
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from augury import LLM, SamplingParams
 from augury.attention import TorchPagedBackend
+from augury.config import CPU_KERNELS_VAR
 from augury.demo import ensure_demo_target
 from augury.engine.kv_cache import KVCache
+from augury.models import cpu_kernels
 from augury.models.loader import load_target
 from augury.models.tokenizer import load_tokenizer
 from augury.prompts import held_out_prompts
 
-MODES = (  # label, dtype, quantization
-    ("float32 dense (reference)", torch.float32, "none"),
-    ("bfloat16 dense", torch.bfloat16, "none"),
-    ("bfloat16 int8 (per channel)", torch.bfloat16, "int8"),
-    ("bfloat16 int4 (group 32, requantised; int8 output)", torch.bfloat16, "int4"),
-    ("bfloat16 native Q4_1 (auto; int8 output)", torch.bfloat16, "auto"),
-    ("float32 native Q4_1 (auto; int8 output)", torch.float32, "auto"),
+MODES = (  # label, dtype, quantization, augury's CPU kernels on (models/cpu_kernels.py)
+    ("float32 dense (reference)", torch.float32, "none", True),
+    ("bfloat16 dense", torch.bfloat16, "none", True),
+    ("bfloat16 int8 (per channel)", torch.bfloat16, "int8", True),
+    ("bfloat16 int4 (group 32, requantised), w4a8 kernel", torch.bfloat16, "int4", True),
+    ("bfloat16 native Q4_1 (auto), w4a8 kernel", torch.bfloat16, "auto", True),
+    ("bfloat16 native Q4_1 (auto), torch's int4 kernel", torch.bfloat16, "auto", False),
+    ("float32 native Q4_1 (auto)", torch.float32, "auto", True),
 )
 
 
@@ -58,7 +62,9 @@ def main() -> None:
     seqs = [(p, a) for p, a in zip(prompts, answers) if a]
     ref_logits = None
     rows = []
-    for label, dtype, mode in MODES:
+    for label, dtype, mode, kernels in MODES:
+        os.environ[CPU_KERNELS_VAR] = "1" if kernels else "0"
+        cpu_kernels.reset()
         model, cfg = load_target(folder, dtype, torch.device("cpu"), 1024, quantization=mode)
         per = []
         for p, a in seqs:

@@ -397,3 +397,54 @@ def test_import_sets_passive_openmp_waiting_unless_the_environment_says_otherwis
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ACTIVE", "False"]
+
+
+def test_bench_varied_prompts_report_acceptance_per_kind(tmp_path, capsys) -> None:
+    """--prompts varied: the varied held-out set (no training template makes these), kinds taken in
+    turn; speculative rows carry their acceptance length per kind, in the JSON and the table."""
+    from augury.prompts import VARIED_PROMPTS, builtin_prompts, varied_prompts
+    from helpers_server import make_tiny_checkpoint
+
+    pairs = varied_prompts()
+    assert len(pairs) == sum(len(v) for v in VARIED_PROMPTS.values())
+    assert [k for k, _ in pairs[:len(VARIED_PROMPTS)]] == list(VARIED_PROMPTS)
+    assert not set(t for _, t in pairs) & set(builtin_prompts())
+    folder = make_tiny_checkpoint(tmp_path / "bpe")
+    report = _bench(tmp_path, "--model", str(folder), "--prompts", "varied", "--num-prompts", "4",
+                    "--output-len", "12", "--systems", "augury-off,augury-ngram")
+    table = capsys.readouterr().out
+    rows = {(r["batch_size"], r["system"]): r for r in report["results"]}
+    assert rows[(1, "augury-off")]["accept_by_kind"] == {k: 0.0 for k in list(VARIED_PROMPTS)[:4]}
+    ngram = rows[(1, "augury-ngram")]
+    assert list(ngram["accept_by_kind"]) == list(VARIED_PROMPTS)[:4]
+    assert all(r["greedy_match"] == 1.0 for r in rows.values())
+    assert "acceptance length by kind" in table and "sql-shell" in table
+
+
+def test_bench_acceptance_per_kind_splits_each_prompts_own_counts() -> None:
+    """The per-kind figure is (verify steps + accepted drafts) / verify steps over that kind's
+    prompts only, whatever batches they ran in."""
+    from augury.bench import AugurySystem
+    from augury.bench.offline import BenchSettings, run_benchmark
+
+    class Fake(AugurySystem):
+        def __init__(self) -> None:
+            self.name = "fake"
+            self.reset_counts()
+
+        def generate(self, prompts, output_len, stop_at_eos=False):
+            for p in prompts:  # prompt p: 2 verify steps accepting p[0] drafts in all
+                rec = self.per_prompt.setdefault(tuple(p), [0, 0])
+                rec[0] += 2
+                rec[1] += p[0]
+            return [[7] * output_len for _ in prompts]
+
+    chat = [[4, 1], [0, 2], [2, 3], [2, 4]]
+    kinds = ["a", "b", "a", "b"]
+    settings = BenchSettings(batch_sizes=(1, 3), output_len=3, repeats=2, warmup=0)
+    rows = {r.batch_size: r for r in run_benchmark(settings, [Fake()], 100, progress=False, chat=chat, kinds=kinds)}
+    # batch 1: each prompt once per repeat, 2 repeats. a: 8 steps, 2 * (4 + 2) accepted; b: 8, 2 * (0 + 2)
+    assert rows[1].accept_by_kind == pytest.approx({"a": (8 + 12) / 8, "b": (8 + 4) / 8})
+    # batch 3: groups [c0 c1 c2] [c3 c0 c1] (cycled): c0 and c1 twice a repeat. a: 12 steps, 2 * (8 + 2)
+    # accepted; b: 12, 2 * (0 + 2)
+    assert rows[3].accept_by_kind == pytest.approx({"a": (12 + 20) / 12, "b": (12 + 4) / 12})

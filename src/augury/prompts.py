@@ -76,6 +76,107 @@ MODULE_TEMPLATES = (
 MODULE_SYNOPSIS_TEMPLATE = "The Python standard library describes the {m} module as: \"{s}\" Explain what that means with an example."
 
 
+# A varied held-out set, by kind: written for evaluation only (no template above produces these,
+# and training never reads them), so acceptance measured on it is not memorisation of the
+# training templates. `augury bench --prompts varied` and `augury train-draft` report per kind.
+VARIED_PROMPTS: dict[str, tuple[str, ...]] = {
+    "code-python": (
+        "Write a Python class for a bank account with deposit, withdraw and a balance that can never go negative.",
+        "My Python script prints 'None' after the list. Why?\n\ndef show(xs):\n    for x in xs:\n        print(x)\n\nprint(show([1, 2]))",
+        "Use a Python dictionary comprehension to map each word in a sentence to its length.",
+        "Write a pytest test for a function slugify(title) that lowercases and replaces spaces with dashes.",
+        "How do I read a large log file line by line in Python and count lines containing ERROR?",
+        "Write a Python generator that yields the running total of a list of numbers.",
+    ),
+    "code-other": (
+        "Write a TypeScript interface for a blog post with a title, tags and an optional publish date.",
+        "In Go, how do I start three goroutines and wait for all of them to finish?",
+        "Write a C function that swaps two integers through pointers, and a main that calls it.",
+        "Show a Rust enum for traffic light colors and a match that returns how long each one lasts.",
+        "Write a Makefile rule that compiles main.c into an executable called app.",
+        "Write a small HTML page with a button that shows an alert saying hello when clicked.",
+    ),
+    "sql-shell": (
+        "Write an SQL query that returns the five customers with the highest total order amount.",
+        "Write SQL to create a table of books with an id, a title, an author and a year, then insert two rows.",
+        "What does this SQL do? SELECT department, COUNT(*) FROM employees GROUP BY department HAVING COUNT(*) > 10;",
+        "Give me a shell command that finds every .txt file under the current folder modified in the last day.",
+        "How do I see which process is listening on port 8080 on Linux?",
+        "Write a git command sequence to create a new branch, commit one file and push it.",
+    ),
+    "math": (
+        "A train travels 180 km in 2 hours and 15 minutes. What is its average speed in km per hour?",
+        "If I save 35 dollars a week, how many weeks until I have 1000 dollars? Show the steps.",
+        "Solve for x: 3x + 7 = 25. Explain each step.",
+        "A rectangle is twice as long as it is wide and its perimeter is 48 cm. What are its sides?",
+        "What is 15 percent of 240, and how do you work it out in your head?",
+        "Three friends share a 54 dollar bill, but one of them pays double the others. How much does each pay?",
+    ),
+    "recipe-howto": (
+        "Give me a simple recipe for pancakes for two people.",
+        "How do I make a vegetable soup with what is usually left in the fridge?",
+        "What are the steps to change a flat bicycle tire?",
+        "How do I clean a cast iron pan without ruining it?",
+        "Write a packing checklist for a weekend at the beach.",
+        "How should I prepare for my first five kilometre run?",
+    ),
+    "creative": (
+        "Write a haiku about a cup of coffee on a rainy morning.",
+        "Write a limerick about a cat who wants to be a programmer.",
+        "Write the opening paragraph of a mystery story set in a lighthouse.",
+        "Write a short, funny product description for a pair of socks that never get lost.",
+        "Write a four-line poem for a friend's birthday card.",
+        "Describe an autumn forest to someone who has never seen one, in one paragraph.",
+    ),
+    "rewrite-summarize": (
+        "Summarize in two sentences: The city council met on Tuesday to discuss the new bike lanes. "
+        "Supporters said the lanes would make streets safer and reduce traffic, while some shop owners worried "
+        "about losing parking spaces. The council agreed to test the lanes on two streets for six months.",
+        "Rewrite this email to sound more polite: Send me the report today. I already asked twice.",
+        "Make this sentence shorter and clearer: Due to the fact that it was raining, we made the decision to "
+        "stay inside for the duration of the afternoon.",
+        "Turn these notes into a short paragraph: meeting moved to Friday; bring laptops; lunch provided; "
+        "room 204.",
+        "Fix the grammar: Me and him goes to the store yesterday and buyed three apple.",
+        "Translate to simple English for a child: Photosynthesis converts light energy into chemical energy.",
+    ),
+    "data-format": (
+        "Convert this to JSON: name Alice, age 30, languages English and Spanish.",
+        "Turn this CSV into a Markdown table:\nfruit,color,price\napple,red,1.2\nbanana,yellow,0.5",
+        "Write a YAML config for a web server with a host, a port and a list of allowed origins.",
+        "Give me a regular expression that matches a date like 2024-03-15, and explain each part.",
+        "Write an example JSON response for an API that lists two users with ids and emails.",
+        "Explain the difference between JSON and XML with a small example of the same data in both.",
+    ),
+    "advice-explain": (
+        "I keep waking up at 3 am. What could help me sleep through the night?",
+        "How do I politely tell a coworker that they talk too loudly on calls?",
+        "Why is the sky blue but sunsets are red?",
+        "What should I check before signing a lease for an apartment?",
+        "How does a refrigerator keep food cold?",
+        "What is the difference between weather and climate?",
+    ),
+    "copy-quote": (
+        "Repeat this list back to me in alphabetical order: pear, apple, mango, cherry, banana, kiwi.",
+        "Here is a sentence: 'The quick brown fox jumps over the lazy dog.' Write it again with every word "
+        "capitalized.",
+        "Correct the spelling but keep everything else the same: I recieved the pakage on wensday and it "
+        "was definately broken.",
+        "Add line numbers to this poem:\nRoses are red\nViolets are blue\nSugar is sweet\nAnd so are you",
+        "Convert this Python 2 code to Python 3: print 'Total:', total",
+        "Rename the variable x to count in this code:\nx = 0\nfor item in items:\n    x += 1\nprint(x)",
+    ),
+}
+
+
+def varied_prompts(count: int | None = None) -> list[tuple[str, str]]:
+    """(kind, prompt) from VARIED_PROMPTS, kinds taken in turn, so any count spans the kinds."""
+    kinds = list(VARIED_PROMPTS)
+    width = max(len(v) for v in VARIED_PROMPTS.values())
+    out = [(k, VARIED_PROMPTS[k][i]) for i in range(width) for k in kinds if i < len(VARIED_PROMPTS[k])]
+    return out if count is None else out[:count]
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One user message; `ids` is set instead of `text` for token-id prompts (no tokenizer)."""

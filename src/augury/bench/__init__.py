@@ -57,6 +57,15 @@ class AugurySystem:
     def reset_counts(self) -> None:
         """Start counting verification steps, accepted drafts and decoded tokens afresh."""
         self.steps = self.accepted = self.decoded = 0
+        self.per_prompt: dict[tuple[int, ...], list[int]] = {}  # prompt -> [verify steps, accepted drafts]
+
+    def accept_length_of(self, prompts: list[list[int]]) -> float:
+        """Tokens per verification step over these prompts since reset_counts (0 when none)."""
+        steps = accepted = 0
+        for p in {tuple(p) for p in prompts}:
+            s, a = self.per_prompt.get(p, (0, 0))
+            steps, accepted = steps + s, accepted + a
+        return (steps + accepted) / steps if steps else 0.0
 
     @property
     def accept_length(self) -> float:
@@ -82,6 +91,10 @@ class AugurySystem:
         self.steps += sum(o.spec_stats.num_verify_steps for o in outs)
         self.accepted += sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
         self.decoded += sum(len(o.token_ids) - 1 for o in outs)
+        for p, o in zip(prompts, outs):
+            rec = self.per_prompt.setdefault(tuple(p), [0, 0])
+            rec[0] += o.spec_stats.num_verify_steps
+            rec[1] += o.spec_stats.num_accepted_draft_tokens
         return [o.token_ids for o in outs]
 
     def close(self) -> None:
@@ -209,6 +222,18 @@ _COPY_SOURCES = ("json", "argparse", "logging", "csv", "pathlib", "datetime", "s
                  "itertools", "functools", "collections", "re", "typing", "dataclasses", "asyncio")
 _COPY_ASKS = ("Repeat the following text exactly, word for word:", "Copy this paragraph without changing anything:",
               "Please write out the following text again, exactly as it is:")
+
+
+def varied_chat_prompts(tokenizer, count: int) -> tuple[list[list[int]], list[str]]:
+    """The varied held-out set (prompts.VARIED_PROMPTS, kinds in turn) in the chat template, and
+    each prompt's kind."""
+    from augury.prompts import varied_prompts
+
+    pairs = varied_prompts(count)
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                          add_generation_prompt=True), add_special_tokens=False)
+           for _, t in pairs]
+    return ids, [k for k, _ in pairs]
 
 
 def mixed_prompts(tokenizer, count: int) -> list[list[int]]:

@@ -44,7 +44,9 @@ class BenchSettings:
     repeats: int = 3
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
-    prompts: str = "random"  # random token ids, "chat": held-out chat prompts through the chat template, or "mixed"
+    # random token ids, "chat": held-out chat prompts through the chat template, "varied": the varied
+    # held-out set (prompts.VARIED_PROMPTS, acceptance also reported per kind), or "mixed"
+    prompts: str = "random"
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
     stop_at_eos: bool = False  # end each sequence at its EOS token (at most output_len) instead of a fixed length
@@ -71,6 +73,7 @@ class Row:
     cpu_ratio: float = 1.0  # the same with CPU-time medians
     greedy_match: float = 1.0  # fraction of sequences equal to the reference's
     accept_length: float = 0.0  # speculative systems: tokens per verification step
+    accept_by_kind: dict[str, float] = field(default_factory=dict)  # --prompts varied: the same per kind
     spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
 
     @property
@@ -103,7 +106,8 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -
 
 
 def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True,
-                  chat: list[list[int]] | None = None) -> list[Row]:
+                  chat: list[list[int]] | None = None, kinds: list[str] | None = None) -> list[Row]:
+    """kinds: each chat prompt's kind (--prompts varied), for acceptance per kind."""
     from tqdm.auto import tqdm
 
     runs = len(settings.batch_sizes) * len(systems) * (settings.warmup + settings.repeats)
@@ -138,7 +142,13 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                     _check_lengths(system.name, out, settings.output_len, settings.stop_at_eos)
                     outputs.setdefault(system.name, out)
                     bar.update(1)
-            rows.extend(_rows_for(b, systems, seconds, cpu, outputs))
+            new = _rows_for(b, systems, seconds, cpu, outputs)
+            if chat and kinds:
+                for row, system in zip(new, systems):
+                    if hasattr(system, "accept_length_of"):
+                        row.accept_by_kind = {k: system.accept_length_of([p for p, pk in zip(chat, kinds) if pk == k])
+                                              for k in dict.fromkeys(kinds)}
+            rows.extend(new)
     finally:
         bar.close()
     return rows
@@ -181,6 +191,14 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"{r.batch_size:>5}  {r.system:<20} {r.tokens_per_s:>8.1f} {r.median_s:>9.3f} {spread:>15} "
                      f"{r.ratio:>15.2f}x {r.paired_ratio:>6.2f}x {paired:>15} {r.median_cpu_s:>8.3f} "
                      f"{r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} {r.accept_length:>8.2f} {r.spec_fraction:>7.0%}")
+    kinds = list(dict.fromkeys(k for r in rows for k in r.accept_by_kind))
+    spec = [r for r in rows if any(r.accept_by_kind.values())]
+    if kinds and spec:  # acceptance length per prompt kind (--prompts varied)
+        width = max(len(k) for k in kinds)
+        head = f"{'acceptance length by kind':<{width}}  " + " ".join(f"{f'b{r.batch_size} {r.system}':>24}" for r in spec)
+        lines += ["", head, "-" * len(head)]
+        for k in kinds:
+            lines.append(f"{k:<{width}}  " + " ".join(f"{r.accept_by_kind.get(k, 0.0):>24.2f}" for r in spec))
     return "\n".join(lines)
 
 
@@ -250,16 +268,19 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         draft = str(resolved.draft_dir) if resolved.draft_dir is not None else None
         params = count_parameters(folder)
     cfg = TargetConfig.from_folder(folder)
-    chat = None
+    chat = kinds = None
     prompt_len = settings.prompt_len
-    if settings.prompts in ("chat", "mixed"):
-        from augury.bench import chat_prompts, mixed_prompts
+    if settings.prompts in ("chat", "mixed", "varied"):
+        from augury.bench import chat_prompts, mixed_prompts, varied_chat_prompts
         from augury.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(Path(folder))
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--prompts chat needs a model with a tokenizer and a chat template")
-        chat = (chat_prompts if settings.prompts == "chat" else mixed_prompts)(tokenizer, settings.num_prompts)
+        if settings.prompts == "varied":
+            chat, kinds = varied_chat_prompts(tokenizer, settings.num_prompts)
+        else:
+            chat = (chat_prompts if settings.prompts == "chat" else mixed_prompts)(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
@@ -268,7 +289,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     try:
         for factory in factories:
             systems.append(factory(shared))
-        rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat)
+        rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat, kinds)
     finally:
         for s in systems:
             s.close()
@@ -355,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes,
                    help="comma-separated batch sizes, each run on its own, e.g. 1,8")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len,
-                   help=f"tokens per random prompt (default: {d.prompt_len}; --prompts chat uses the prompts' own)")
+                   help=f"tokens per random prompt (default: {d.prompt_len}; chat prompts have their own)")
     p.add_argument("--output-len", type=int, default=d.output_len,
                    help=f"tokens each sequence generates (at most, with --stop-at-eos) (default: {d.output_len})")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
@@ -364,12 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
-    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "mixed"],
-                   help="random token ids, held-out chat prompts through the model's chat template, or mixed: "
-                   "every other prompt asks to repeat a paragraph (an answer that copies its prompt), the rest "
-                   "are held-out chat prompts")
+    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "varied", "mixed"],
+                   help="random token ids; chat: held-out prompts of the training templates' split, through the "
+                   "model's chat template; varied: the varied held-out set (code, SQL and shell, maths, recipes, "
+                   "poems, rewriting, data formats, advice, copying; acceptance reported per kind), which no "
+                   "training template produces; mixed: every other prompt asks to repeat a paragraph (an answer "
+                   "that copies its prompt), the rest are held-out chat prompts")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
-                   help="--prompts chat: held-out prompts per run, in batches of the batch size")
+                   help="--prompts chat / varied / mixed: prompts per run, in batches of the batch size "
+                   "(varied has 60: 10 kinds x 6, kinds taken in turn)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
     p.add_argument("--stop-at-eos", action="store_true", help="end each sequence at its end-of-sequence token "
                    "(at most --output-len), as in a chat; default: exactly --output-len tokens")

@@ -1,8 +1,9 @@
-"""Weight-only quantised linears on the kernels torch ships, and the model-wide swap.
+"""Weight-only quantised linears, and the model-wide swap.
 
 Int8Linear: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
-Int4Linear: group 32, asymmetric (a scale and a zero per group), `torch._weight_int4pack_mm_for_cpu`
-on weights packed by `torch._convert_weight_to_int4pack_for_cpu`.
+Int4Linear: group 32, asymmetric (a scale and a zero per group): in bfloat16 augury's w4a8 kernel
+(models/cpu_kernels.py) where it builds, else `torch._weight_int4pack_mm_for_cpu` on weights
+packed by `torch._convert_weight_to_int4pack_for_cpu`.
 
 Torch facts these modules stand on (torch 2.13 CPU, checked by tests/test_quant.py):
 - int4 value convention: w = (q - 8) * scale + zero, q in 0..15; `scales_and_zeros` is

@@ -105,24 +105,26 @@ inline __m256i reduce8(const __m256i p[8]) {
 }
 
 // one chunk of 8 groups from group c (NJ of them with codes; the rest of the chunk is padding) against
-// R rows (rows r * K of xq, r * Gp of dx / xs / xsum)
+// R rows (rows r * K of xq, r * Gp of dx / xsum): acc[r] += per group dx s sum_j (q - 8) xq
 template <int R, int NJ>
-inline void chunk(const uint8_t *codes, __m256 sv, __m256 zv, int64_t c, int64_t Gp, const int8_t *xq,
-                  const float *dx, const float *xs, const int32_t *xsum, int64_t K, __m256 *acc, __m256 *accz) {
+inline void chunk(const uint8_t *codes, __m256 sv, int64_t c, int64_t Gp, const int8_t *xq, const float *dx,
+                  const int32_t *xsum, int64_t K, __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256i w[NJ];
+    alignas(32) uint8_t wb[CHUNK * GROUP];  // the chunk's codes unpacked, one byte each, shared by the rows
     for (int j = 0; j < NJ; j++) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + (c + j) * 16));
-        w[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+        _mm256_store_si256(reinterpret_cast<__m256i *>(wb + j * GROUP),
+                           _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4));
     }
     for (int r = 0; r < R; r++) {
         const int8_t *xr = xq + r * K + c * GROUP;
         __m256i p[CHUNK];
         for (int j = 0; j < CHUNK; j++) {
             if (j < NJ) {
+                const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(wb + j * GROUP));
                 const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xr + j * GROUP));
-                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x), ones);  // |15 * 127 * 2| < 2^15
+                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);  // |15 * 127 * 2| < 2^15
             } else {
                 p[j] = _mm256_setzero_si256();
             }
@@ -132,7 +134,6 @@ inline void chunk(const uint8_t *codes, __m256 sv, __m256 zv, int64_t c, int64_t
             _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xsum + r * Gp + c)), 3);
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(p), xsum8));
         acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_loadu_ps(dx + r * Gp + c), sv), acc[r]);
-        accz[r] = _mm256_fmadd_ps(zv, _mm256_loadu_ps(xs + r * Gp + c), accz[r]);
     }
 }
 
@@ -141,21 +142,25 @@ inline void chunk(const uint8_t *codes, __m256 sv, __m256 zv, int64_t c, int64_t
 template <int R>
 inline void column(const uint8_t *codes, const uint16_t *s, const uint16_t *z, int64_t G, int64_t Gp,
                    const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
-    __m256 acc[R], accz[R];
-    for (int r = 0; r < R; r++) acc[r] = accz[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int64_t c = 0;
-    for (; c + CHUNK <= G; c += CHUNK)
-        chunk<R, CHUNK>(codes, load_bf16x8(s + c), load_bf16x8(z + c), c, Gp, xq, dx, xs, xsum, K, acc, accz);
+    for (; c + CHUNK <= G; c += CHUNK) chunk<R, CHUNK>(codes, load_bf16x8(s + c), c, Gp, xq, dx, xsum, K, acc);
     if (c < G) {
-        const __m256 sv = load_bf16x8(s + c), zv = load_bf16x8(z + c);
+        const __m256 sv = load_bf16x8(s + c);
         switch (G - c) {
 #define AUGURY_TAIL(t) \
-    case t: chunk<R, t>(codes, sv, zv, c, Gp, xq, dx, xs, xsum, K, acc, accz); break;
+    case t: chunk<R, t>(codes, sv, c, Gp, xq, dx, xsum, K, acc); break;
             AUGURY_TAIL(1) AUGURY_TAIL(2) AUGURY_TAIL(3) AUGURY_TAIL(4) AUGURY_TAIL(5) AUGURY_TAIL(6) AUGURY_TAIL(7)
 #undef AUGURY_TAIL
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(acc[r], accz[r]));
+    for (int r = 0; r < R; r++) {  // + sum_g z dx sum_j xq
+        __m256 az = _mm256_setzero_ps();
+        for (int64_t g = 0; g < Gp; g += CHUNK)
+            az = _mm256_fmadd_ps(load_bf16x8(z + g), _mm256_loadu_ps(xs + r * Gp + g), az);
+        out[r] = hsum(_mm256_add_ps(acc[r], az));
+    }
 }
 
 }  // namespace
