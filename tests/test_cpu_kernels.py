@@ -149,3 +149,73 @@ def test_kernels_off_or_unbuildable_fall_back_to_torch(monkeypatch, tmp_path, ca
         assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left behind
     finally:
         cpu_kernels.reset()
+
+
+# ---- exact-rows attention (kernels/attention.cpp) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def attn_kernel() -> cpu_kernels.Attention:
+    k = cpu_kernels.attention()
+    assert k is not None, "the attention kernel did not build or load on a machine that can build it"
+    return k
+
+
+def _attn_case(dtype, rows=5, nh=6, nkv=2, hd=16, slots=40, width=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, nh, hd, generator=g).to(dtype)
+    kc = torch.randn(slots, nkv, hd, generator=g).to(dtype)
+    vc = torch.randn(slots, nkv, hd, generator=g).to(dtype)
+    sl = torch.randint(0, slots, (rows, width), generator=g)
+    nk = torch.randint(1, width + 1, (rows,), generator=g).to(torch.int32)
+    return q, kc, vc, sl, nk
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_kernel_matches_sdpa_over_each_rows_slots(attn_kernel, dtype) -> None:
+    """Row r attends over cache slots slots[r, :nkeys[r]] (GQA: query head h reads key-value head
+    h // (nh / nkv), as torch's enable_gqa), in float32 whatever the cache's dtype."""
+    q, kc, vc, sl, nk = _attn_case(dtype)
+    got = attn_kernel.attend_rows(q, kc, vc, sl, nk, 0.25)
+    assert got.dtype == dtype and got.shape == (5, 6 * 16)
+    for r in range(5):
+        keys, vals = kc[sl[r, : nk[r]]].float(), vc[sl[r, : nk[r]]].float()  # [n, nkv, hd]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[r].float()[None, :, None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], scale=0.25,
+            enable_gqa=True)[0, :, 0].reshape(-1)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got[r], ref, rtol=1e-5, atol=1e-6)
+        else:  # computed in float32 and rounded once
+            torch.testing.assert_close(got[r].float(), ref.to(dtype).float(), rtol=8e-3, atol=8e-3)
+
+
+@needs_kernel
+def test_attention_kernel_rows_are_batch_and_thread_invariant(attn_kernel) -> None:
+    """A row comes out bit for bit the same alone, among others (past the size where the kernel goes
+    parallel) and at 1 or 2 threads; slots past a row's own count are never read."""
+    q, kc, vc, sl, nk = _attn_case(torch.bfloat16, rows=40, nh=9, nkv=3, hd=64, slots=400, width=300, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([attn_kernel.attend_rows(q[i:i + 1].contiguous(), kc, vc, sl[i:i + 1].contiguous(),
+                                                   nk[i:i + 1].contiguous(), 0.125) for i in range(40)])
+        torch.set_num_threads(2)
+        assert torch.equal(attn_kernel.attend_rows(q, kc, vc, sl, nk, 0.125), alone)
+        junk = sl.clone()
+        for r in range(40):
+            junk[r, int(nk[r]):] = 10**9  # out of range: reading one would crash or change the row
+        assert torch.equal(attn_kernel.attend_rows(q, kc, vc, junk, nk, 0.125), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_attention_kernel_rejects_bad_inputs(attn_kernel) -> None:
+    q, kc, vc, sl, nk = _attn_case(torch.float32)
+    with pytest.raises(ValueError, match="key counts"):
+        attn_kernel.attend_rows(q, kc, vc, sl, torch.zeros(5, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="dtypes"):
+        attn_kernel.attend_rows(q, kc.half(), vc.half(), sl, nk, 1.0)
+    with pytest.raises(ValueError, match="shapes"):
+        attn_kernel.attend_rows(q[:, :, :12].contiguous(), kc[:, :, :12].contiguous(), vc[:, :, :12].contiguous(),
+                                sl, nk, 1.0)

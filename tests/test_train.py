@@ -212,3 +212,68 @@ def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path
     feats = target_features(target, ids, torch.tensor([5]), torch.tensor([3]), (0, 1, 2), draft_ids,
                             mapping_tensors(draft_ids, VOCAB)[1])
     assert feats.label_ok[0, :2].sum() == 0 and feats.label_ok[0, 4:].sum() == 0
+
+
+def test_eval_on_the_varied_set_reports_acceptance_per_kind(tmp_path: Path) -> None:
+    """The evaluation also runs the varied held-out set (kinds no training template makes) as one
+    batch and splits its acceptance by kind; the split adds up to the whole."""
+    from augury.models.eagle3 import default_aux_layers
+    from augury.prompts import VARIED_PROMPTS, varied_prompts
+    from helpers_server import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "bpe")
+    target, tcfg = load_target(folder, torch.float32, torch.device("cpu"), 64)
+    draft_ids = torch.arange(tcfg.vocab_size)
+    head = build_head(target, head_config(tcfg, tcfg.vocab_size, default_aux_layers(tcfg.num_layers)), draft_ids, 64, 0)
+    export_head(head, tcfg, draft_ids, tmp_path / "head", torch.float32)
+    varied = varied_prompts(len(VARIED_PROMPTS) * 2)
+    r = evaluate_head(folder, tmp_path / "head", [Prompt("Hello there.")], 3, 6, "float32", 1, varied=varied)
+    v = r["varied"]
+    assert v["requests"] == len(varied) and list(v["accept_length_by_kind"]) == list(VARIED_PROMPTS)
+    assert all(1.0 <= x <= 4.0 for x in v["accept_length_by_kind"].values())
+    assert min(v["accept_length_by_kind"].values()) <= v["accept_length"] <= max(v["accept_length_by_kind"].values())
+
+
+def test_magpie_user_turns_from_the_chat_template(tmp_path: Path) -> None:
+    """The target writes user turns from its chat template's user header: kept only when complete,
+    plain, sized and new; written as they come, and a rerun tops the file up."""
+    import types
+
+    from augury.models.tokenizer import load_tokenizer
+    from augury.train import magpie
+    from helpers_server import make_tiny_checkpoint
+
+    tok = load_tokenizer(make_tiny_checkpoint(tmp_path / "bpe"))
+    header = magpie.user_header(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert full.startswith(header + "hello") and "hello" not in header
+
+    assert magpie.keep("How do I sort a list in Python?", "stop")
+    assert not magpie.keep("How do I sort a list in Python?", "length")  # cut off, not a whole turn
+    assert not magpie.keep("Hi there", "stop")  # too short
+    assert not magpie.keep("Tell me <|im_start|> about it please", "stop")
+    assert not magpie.keep("Объясни, как работает фотосинтез, пожалуйста", "stop")  # not Latin script
+
+    turns = iter([("Write a poem about the sea.", "stop"), ("write a  poem about the SEA.", "stop"),  # duplicate
+                  ("What is the capital of France?", "stop"), ("too short", "stop"),
+                  ("Explain recursion with an example.", "length"), ("Give me three tips for sleeping well.", "stop")]
+                 + [("Same question every time, again.", "stop")] * 200)
+    prompts_seen = []
+
+    def generate(prompts, params, use_tqdm=False):
+        prompts_seen.extend(prompts)
+        assert all(p.temperature == 1.0 and p.top_p == 0.95 for p in params)
+        return [types.SimpleNamespace(text=t, finish_reason=f) for t, f in (next(turns) for _ in prompts)]
+
+    llm = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(model="tiny"), generate=generate)
+    out = tmp_path / "magpie.jsonl"
+    got = magpie.write_user_turns(llm, 2, out, batch=3)
+    assert got == ["Write a poem about the sea.", "What is the capital of France?"]
+    assert all(p == tok.encode(header, add_special_tokens=False) for p in prompts_seen)
+    # a rerun asking for more keeps the file's turns and adds new ones; a model repeating itself stops it
+    got = magpie.write_user_turns(llm, 10, out, batch=3, max_rounds=3)
+    assert got[:3] == ["Write a poem about the sea.", "What is the capital of France?",
+                       "Give me three tips for sleeping well."]
+    assert got[3:] == ["Same question every time, again."]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["text"] for rec in lines] == got and {rec["source"] for rec in lines} == {"magpie:tiny"}

@@ -7,6 +7,8 @@ the draft head take one masked attention over [context, new tokens].
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -205,6 +207,16 @@ class TorchStepAttention:
         # 1), so a lone row runs as two identical rows: a decode step's row is a verified node's row.
         dt = compute_dtype or k_cache.dtype
         self.exact_calls: list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        # augury's attention kernel (models/cpu_kernels.py) where it runs: each row over its own slots,
+        # read in place from the cache, in float32; the same per row whatever the batch
+        self.kernel = _attention_kernel(k_cache) if exact is not None else None
+        self.kernel_calls: list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if self.kernel is not None:
+            for rows, slots, valid in exact.groups:
+                g, w = valid.shape[0], valid.shape[-1]
+                nkeys = valid.reshape(g, w).sum(-1, dtype=torch.int32)  # valid keys are each row's first ones
+                self.kernel_calls.append((rows, slots.view(g, w).contiguous(), nkeys.contiguous()))
+            return
         for rows, slots, valid in exact.groups if exact is not None else ():
             mask = torch.zeros(valid.shape, dtype=dt, device=valid.device).masked_fill_(~valid, float("-inf"))
             lone = valid.shape[0] == 1 and valid.device.type == "cpu"
@@ -238,9 +250,21 @@ class TorchStepAttention:
         """Each query as one aligned decode step over its own keys: q [B, Q, nh, hd] -> [B*Q, 1, nh*hd]."""
         nh, hd = q.shape[2], q.shape[3]
         nkv = k_cache.shape[1]
+        exact = self.exact
+        if self.kernel is not None:
+            flat = q.reshape(-1, nh, hd)
+            scale = 1.0 / math.sqrt(hd)
+            out = None
+            for rows, slots, nkeys in self.kernel_calls:
+                o = self.kernel.attend_rows(flat[rows].contiguous(), k_cache, v_cache, slots, nkeys, scale)
+                if len(self.kernel_calls) == 1:
+                    return o.view(-1, 1, nh * hd)
+                if out is None:
+                    out = o.new_empty(exact.rows, 1, nh * hd)
+                out[rows] = o.view(-1, 1, nh * hd)
+            return out
         flat = q.reshape(-1, 1, nh, hd)
         out = None
-        exact = self.exact
         for rows, slots, mask, lone in self.exact_calls:
             g, w = mask.shape[0], mask.shape[-1]
             k = k_cache.index_select(0, slots).view(g, w, nkv, hd)
@@ -256,6 +280,17 @@ class TorchStepAttention:
                 out = o.new_empty(exact.rows, 1, o.shape[-1])
             out[rows] = o
         return out
+
+
+def _attention_kernel(k_cache: torch.Tensor):
+    """augury's exact-rows attention kernel for this cache, or None (not a CPU cache it takes, or the
+    kernel cannot be built here: then torch's attention runs)."""
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in (torch.bfloat16, torch.float32)
+            or k_cache.shape[-1] % 8 or not k_cache.is_contiguous()):
+        return None
+    from augury.models import cpu_kernels
+
+    return cpu_kernels.attention()
 
 
 class CausalNoCache:

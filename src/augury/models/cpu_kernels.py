@@ -149,6 +149,43 @@ class W4A8:
         return y
 
 
+class Attention:
+    """The loaded exact-rows attention kernel (kernels/attention.cpp)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.augury_attend_rows
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i32, i64, i64, i64, p, p, i32, i64, p, p, i64, ctypes.c_float, p, i32, i32]
+        fn.restype = i32
+        self._lib, self._fn = lib, fn
+
+    def attend_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    nkeys: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [R, nh, hd]; k_cache / v_cache [S, nkv, hd] (bfloat16 or float32, contiguous); slots [R, W]
+        int64, of which row r reads the first nkeys[r] (int32 [R]). Returns [R, nh * hd] in q's dtype."""
+        r, nh, hd = q.shape
+        nkv = k_cache.shape[1]
+        for t in (q, k_cache, v_cache, slots, nkeys):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("attend_rows wants contiguous CPU tensors")
+        if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32) \
+                or v_cache.dtype != k_cache.dtype or slots.dtype != torch.int64 or nkeys.dtype != torch.int32:
+            raise ValueError(f"attend_rows: unsupported dtypes q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}, "
+                             f"slots {slots.dtype}, nkeys {nkeys.dtype}")
+        if hd % 8 or nh % nkv or k_cache.shape[2] != hd or slots.shape[0] != r or nkeys.shape[0] != r:
+            raise ValueError(f"attend_rows: shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                             f"slots {tuple(slots.shape)}, nkeys {tuple(nkeys.shape)}")
+        out = torch.empty(r, nh * hd, dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, nh, hd, k_cache.data_ptr(), v_cache.data_ptr(),
+                      int(k_cache.dtype == torch.bfloat16), nkv, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
+                      scale, out.data_ptr(), int(q.dtype == torch.bfloat16), torch.get_num_threads())
+        if rc:
+            raise ValueError("attend_rows: bad shapes or key counts (each row needs 1..W keys)")
+        return out
+
+
 def _self_check(k: W4A8) -> None:
     """Identity weights give back the rounded activations: catches a miscompiled or foreign library."""
     x = torch.tensor([[0.5, -1.0, 0.25, 2.0] * 16], dtype=torch.float32)  # [1, 64]: exactly representable
@@ -161,27 +198,48 @@ def _self_check(k: W4A8) -> None:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
-def w4a8() -> W4A8 | None:
-    """The w4a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
-    if "w4a8" in _cache:
-        return _cache["w4a8"]  # type: ignore[return-value]
+def _attention_self_check(k: Attention) -> None:
+    """One row over two keys against the softmax written out."""
+    q = torch.ones(1, 1, 8)
+    kc = torch.stack([torch.zeros(1, 8), torch.full((1, 8), 0.25)])  # [2 slots, 1 head, 8]
+    vc = torch.stack([torch.ones(1, 8), torch.full((1, 8), 3.0)])
+    got = k.attend_rows(q, kc, vc, torch.tensor([[0, 1]]), torch.tensor([2], dtype=torch.int32), 1.0)
+    p = torch.softmax(torch.tensor([0.0, 2.0]), 0)
+    if not torch.allclose(got, (p[0] * 1.0 + p[1] * 3.0).expand(1, 8), rtol=1e-5, atol=1e-6):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
+def _load(name: str, make, check) -> object | None:
+    """Build, load and self-check kernel `name` once; None (after one warning) where it cannot run."""
+    if name in _cache:
+        return _cache[name]
     kernel = None
     if not cpu_kernels_enabled():
-        log.info("augury CPU kernels off (%s=%s): torch's int4 kernel runs", CPU_KERNELS_VAR,
+        log.info("augury CPU kernels off (%s=%s): torch's kernels run", CPU_KERNELS_VAR,
                  os.environ.get(CPU_KERNELS_VAR))
     elif (why := _cpu_supported()) is not None:
-        log.warning("augury's w4a8 CPU kernel %s; torch's int4 kernel runs instead", why)
+        log.warning("augury's %s CPU kernel %s; torch's kernels run instead", name, why)
     else:
         try:
-            kernel = W4A8(build("w4a8"))
-            _self_check(kernel)
-        except (KernelUnavailable, OSError, AttributeError) as e:
-            log.warning("augury's w4a8 CPU kernel is unavailable (%s); torch's int4 kernel runs instead", e)
+            kernel = make(build(name))
+            check(kernel)
+        except (KernelUnavailable, OSError, AttributeError, ValueError) as e:
+            log.warning("augury's %s CPU kernel is unavailable (%s); torch's kernels run instead", name, e)
             kernel = None
-    _cache["w4a8"] = kernel
+    _cache[name] = kernel
     return kernel
 
 
+def w4a8() -> W4A8 | None:
+    """The w4a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
+    return _load("w4a8", W4A8, _self_check)  # type: ignore[return-value]
+
+
+def attention() -> Attention | None:
+    """The exact-rows attention kernel, built and loaded on first use; None where it cannot run."""
+    return _load("attention", Attention, _attention_self_check)  # type: ignore[return-value]
+
+
 def reset() -> None:
-    """Forget what w4a8() found (tests)."""
+    """Forget what w4a8() and attention() found (tests)."""
     _cache.clear()

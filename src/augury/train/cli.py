@@ -46,10 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--work-dir", type=Path, help="data, vocabulary, checkpoints and logs (default: <out>-work)")
     a("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     a("--resume", action="store_true", help="continue training from <work-dir>/ckpt/latest.pt")
-    a("--init-from", type=Path, help="start from this checkpoint's head weights (new optimizer and schedule)")
+    a("--init-from", type=Path, help="start from this checkpoint's head weights, or from an exported head folder "
+                                     "(whose draft vocabulary then becomes this run's) (new optimizer and schedule)")
     a("--ckpt-dir", help="checkpoint folder name under --work-dir (a warm-started run can use its own)")
     a("--prompts-file", type=Path, help='JSON lines of {"text": ...} or {"ids": [...]} instead of the built-in prompts')
     a("--num-prompts", type=int, default=3000, help="training prompts (validation adds 3%%)")
+    a("--magpie-prompts", type=int, default=0,
+      help="user turns the target writes itself (train/magpie.py: the chat template up to the user's text, sampled "
+           "at temperature 1), added to the prompt pool; made once by the generate stage into "
+           "<work-dir>/magpie.jsonl (0 = none)")
     a("--max-new-tokens", type=int, default=256, help="most tokens the target generates per prompt")
     a("--temperatures", default="0,0.7", help="generation temperatures, cycled over prompts")
     a("--gen-batch", type=int, default=48, help="requests generated together")
@@ -78,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-prompts", type=int, default=32, help="held-out prompts for the engine evaluation")
     a("--eval-batch1", type=int, default=8, help="of those, how many also run one at a time")
     a("--eval-max-tokens", type=int, default=256, help="most tokens generated per prompt in the engine evaluation")
+    a("--eval-varied", type=int, default=60,
+      help="prompts of the varied held-out set (augury.prompts.VARIED_PROMPTS: kinds no training template makes) "
+           "the evaluation also runs, as one batch, reporting acceptance per kind; its per-depth acceptance becomes "
+           "the head's augury_acceptance prior (0 = skip; then the template split's batch run gives the prior)")
     a("--spec-steps", type=int, default=6,
       help="draft chain length in the evaluation (which also records the measured per-depth acceptance "
            "in <out>/config.json as augury_acceptance, the adaptive policy's prior)")
@@ -98,10 +107,29 @@ def _setup_logging(work: Path) -> None:
             root.addHandler(h)
 
 
-def _prompts(args) -> dict:
+def _magpie(args, folder: Path, work: Path, make: bool) -> list[str]:
+    """The target's own user turns in <work>/magpie.jsonl; with `make`, written up to --magpie-prompts."""
+    from augury.train.magpie import write_user_turns
+
+    path = work / "magpie.jsonl"
+    have = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if len(have) >= args.magpie_prompts or not make:
+        return have[: args.magpie_prompts]
+    from augury import LLM
+
+    llm = LLM(str(folder), speculative_algorithm="none", dtype=args.dtype, device=args.device,
+              max_num_seqs=args.gen_batch, seed=args.seed, log_stats_interval=0.0, kv_cache_memory_gb=args.gen_kv_gb)
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError("--magpie-prompts needs a target with a tokenizer and a chat template")
+    return write_user_turns(llm, args.magpie_prompts, path, batch=args.gen_batch, seed=args.seed)[: args.magpie_prompts]
+
+
+def _prompts(args, magpie: list[str] | None = None) -> dict:
     from augury.train.prompts import Prompt, builtin_prompts, make_splits, read_prompts_file
 
     pool = read_prompts_file(args.prompts_file) if args.prompts_file else [Prompt(t) for t in builtin_prompts()]
+    if magpie:
+        pool = list({p.key: p for p in pool + [Prompt(t) for t in magpie]}.values())
     splits = make_splits(pool, args.num_prompts, args.seed)
     log.info("prompts: %d available -> train %d, valid %d, eval %d", len(pool), len(splits["train"]),
              len(splits["valid"]), len(splits["eval"]))
@@ -115,7 +143,8 @@ def stage_generate(args, folder: Path, work: Path, splits: dict) -> None:
     data = work / "data"
     check_meta(data, {"target": str(folder), "max_new_tokens": args.max_new_tokens, "temperatures": temps,
                       "shard_size": args.shard_size, "seed": args.seed,
-                      "prompts_file": str(args.prompts_file) if args.prompts_file else None})
+                      "prompts_file": str(args.prompts_file) if args.prompts_file else None,
+                      **({"magpie_prompts": args.magpie_prompts} if args.magpie_prompts else {})})
     try:
         need = any(len(load_split(data, s, len(splits[s]), args.shard_size)) < len(splits[s]) for s in ("train", "valid"))
     except ValueError:  # a shard is missing
@@ -159,12 +188,14 @@ def stage_train(args, folder: Path, work: Path, splits: dict) -> None:
     from augury.train.data import load_split, to_samples
     from augury.train.head import build_head, head_config
     from augury.train.trainer import Trainer, TrainSettings
-    from augury.train.vocab import build_draft_vocab, coverage, load_vocab, mapping_tensors, save_vocab
+    from augury.train.vocab import build_draft_vocab, coverage, exported_vocab, load_vocab, mapping_tensors, save_vocab
 
     dev = torch.device(args.device)
     target, tcfg = load_target(folder, getattr(torch, args.dtype), dev, args.max_seq_len + 8)
     records = {s: load_split(work / "data", s, len(splits[s]), args.shard_size) for s in ("train", "valid")}
     vocab_path = work / "vocab.pt"
+    if not vocab_path.is_file() and args.init_from and args.init_from.is_dir():
+        save_vocab(vocab_path, exported_vocab(args.init_from))  # the warm start keeps its vocabulary
     if vocab_path.is_file():
         draft_ids = load_vocab(vocab_path)
     else:
@@ -192,6 +223,8 @@ def stage_train(args, folder: Path, work: Path, splits: dict) -> None:
         trainer.load(latest)
     elif latest.is_file():
         raise ValueError(f"{latest} exists: pass --resume to continue it, or use another --work-dir / --ckpt-dir")
+    elif args.init_from and args.init_from.is_dir():
+        trainer.load_exported(args.init_from)
     elif args.init_from:
         trainer.load_weights(args.init_from)
     log.info("training %d steps (%d sequences, %d epoch(s), %d tokens per batch), aux layers %s",
@@ -235,17 +268,30 @@ def stage_export(args, folder: Path, work: Path) -> None:
 
 
 def stage_eval(args, folder: Path, work: Path, splits: dict) -> dict:
+    from augury.prompts import varied_prompts
     from augury.train.evaluate import evaluate_head, format_eval, record_acceptance
 
+    if args.eval_varied < 0:
+        raise ValueError(f"--eval-varied must be >= 0, got {args.eval_varied}")
     prompts = splits["eval"][: args.eval_prompts]
+    varied = varied_prompts(args.eval_varied) if args.eval_varied else []
+    if varied:
+        from augury.models.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(Path(folder))
+        if tok is None or not getattr(tok, "chat_template", None):
+            log.info("the target has no chat template: the varied held-out set is not evaluated")
+            varied = []
     result = evaluate_head(folder, args.out, prompts, args.spec_steps, args.eval_max_tokens, args.dtype,
-                           args.eval_batch1, args.device)
+                           args.eval_batch1, args.device, varied)
     text = format_eval(result, args.spec_steps)
     print(text, flush=True)
     log.info("evaluation on held-out prompts:\n%s", text)
     (work / "eval.json").write_text(json.dumps({"spec_steps": args.spec_steps, "max_tokens": args.eval_max_tokens,
                                                 "dtype": args.dtype, **result}, indent=2) + "\n")
-    record_acceptance(args.out, result[f"batch{len(prompts)}"]["accept_rate_per_position"])
+    # the prior the adaptive policy starts from: measured on prompts of kinds training never saw
+    prior = result["varied"] if "varied" in result else result[f"batch{len(prompts)}"]
+    record_acceptance(args.out, prior["accept_rate_per_position"])
     return result
 
 
@@ -266,7 +312,10 @@ def train_main(argv: list[str] | None = None) -> int:
 
         # one resolution ("demo": its folder; a .gguf file: its cached conversion); the head is ours to train
         folder = resolve(EngineConfig(model=args.target, speculative_algorithm="none")).target_dir
-        splits = _prompts(args)
+        if args.magpie_prompts < 0:
+            raise ValueError(f"--magpie-prompts must be >= 0, got {args.magpie_prompts}")
+        magpie = _magpie(args, folder, work, "generate" in stages) if args.magpie_prompts else None
+        splits = _prompts(args, magpie)
         if "generate" in stages:
             stage_generate(args, folder, work, splits)
         if "train" in stages:

@@ -27,23 +27,31 @@ def _run(llm, prompts: list[Prompt], params, batch: bool) -> tuple[list, float]:
 
 
 def evaluate_head(target: str | Path, head: str | Path, prompts: list[Prompt], num_steps: int, max_tokens: int,
-                  dtype: str, batch1_prompts: int, device: str | None = None) -> dict:
-    """{"batch1": {...}, "batchN": {...}}: the first `batch1_prompts` prompts one at a time, then
-    all prompts as one batch. Each: acceptance length (tokens per verification), the fraction
-    of verifications that accepted the draft at depth i (per position) and the same
-    conditioned on depth i-1 being accepted, and generated tokens per second."""
+                  dtype: str, batch1_prompts: int, device: str | None = None,
+                  varied: list[tuple[str, str]] | None = None) -> dict:
+    """{"batch1": {...}, "batchN": {...}[, "varied": {...}]}: the first `batch1_prompts` prompts one
+    at a time, then all prompts as one batch, then the (kind, text) prompts of `varied` (the varied
+    held-out set, prompts.VARIED_PROMPTS) as one batch. Each: acceptance length (tokens per
+    verification), the fraction of verifications that accepted the draft at depth i (per
+    position) and the same conditioned on depth i-1 being accepted, and generated tokens per
+    second; "varied" also the acceptance length per kind."""
     from augury import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    varied = varied or []
     llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
               speculative_num_steps=num_steps, speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1,
-              speculative_ngram_branch=0, dtype=dtype, device=device, max_num_seqs=len(prompts), log_stats_interval=0.0)
+              speculative_ngram_branch=0, dtype=dtype, device=device, max_num_seqs=max(len(prompts), len(varied)),
+              log_stats_interval=0.0)
     result = {}
-    for name, batch in (("batch1", False), (f"batch{len(prompts)}", True)):
+    runs = [("batch1", prompts[:batch1_prompts], False), (f"batch{len(prompts)}", prompts, True)]
+    if varied:
+        runs.append(("varied", [Prompt(t) for _, t in varied], True))
+    for name, group, batch in runs:
         from augury.engine.stats import EngineStats
 
         llm.engine.stats = EngineStats()
-        outs, seconds = _run(llm, prompts if batch else prompts[:batch1_prompts], params, batch)
+        outs, seconds = _run(llm, group, params, batch)
         steps = sum(o.spec_stats.num_verify_steps for o in outs)
         accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
         tokens = sum(len(o.token_ids) for o in outs)
@@ -60,6 +68,13 @@ def evaluate_head(target: str | Path, head: str | Path, prompts: list[Prompt], n
             "conditional_accept_rate_per_position": [round(r, 4) for r in cond],
             "tokens_per_second": round(tokens / max(seconds, 1e-9), 2),
         }
+        if name == "varied":
+            by_kind: dict[str, list[int]] = {}
+            for (kind, _), o in zip(varied, outs):
+                rec = by_kind.setdefault(kind, [0, 0])
+                rec[0] += o.spec_stats.num_verify_steps
+                rec[1] += o.spec_stats.num_accepted_draft_tokens
+            result[name]["accept_length_by_kind"] = {k: round((a + s) / max(s, 1), 4) for k, (s, a) in by_kind.items()}
     return result
 
 
@@ -70,6 +85,8 @@ def format_eval(result: dict, num_steps: int) -> str:
         lines.append(f"{name}: {r['requests']} requests, {r['generated_tokens']} tokens, acceptance length "
                      f"{r['accept_length']:.2f} (chain of {num_steps}), per-position acceptance [{rates}], "
                      f"{r['tokens_per_second']:.1f} tok/s")
+        if "accept_length_by_kind" in r:
+            lines.append("  by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in r["accept_length_by_kind"].items()))
     return "\n".join(lines)
 
 

@@ -192,6 +192,27 @@ class Trainer:
         self.aux_scale = state["aux_scale"]
         log.info("initialised the head from %s (its step %d)", path, state["step"])
 
+    def load_exported(self, folder: Path) -> None:
+        """Warm start from an exported head folder (config.json + model.safetensors, as
+        export_head writes and augury ships): its tensors, with fc re-expressed for this
+        trainer's normalised features (fc(aux / s) must equal the export's W aux, so W' = W s)."""
+        from augury.models.eagle3 import load_eagle3
+
+        head = self.head
+        loaded = load_eagle3(folder, self.target.cfg, self.target.embed_tokens, torch.float32,
+                             torch.device("cpu"), 16)
+        if not torch.equal(loaded.d2t.cpu(), head.d2t.cpu()):
+            raise ValueError(f"{folder}: its draft vocabulary differs from this run's (vocab.pt)")
+        params = dict(trainable_parameters(head))
+        src = dict(trainable_parameters(loaded))
+        if set(src) != set(params):
+            raise ValueError(f"{folder}: tensors {sorted(set(src) ^ set(params))} do not match the trainable head")
+        with torch.no_grad():
+            for name, t in src.items():
+                params[name].copy_(t.float())
+            params["fc.weight"].mul_(self.aux_scale.float().to(params["fc.weight"].device)[None, :])
+        log.info("initialised the head from the exported folder %s", folder)
+
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
         if state["settings"] != asdict(self.settings):

@@ -45,3 +45,12 @@ def save_vocab(path: Path, draft_ids: torch.Tensor) -> None:
 
 def load_vocab(path: Path) -> torch.Tensor:
     return torch.load(path, weights_only=True)["draft_ids"]
+
+
+def exported_vocab(folder: Path) -> torch.Tensor:
+    """The draft vocabulary of an exported head folder: draft id i is target id i + d2t[i]."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t").long()
+    return torch.arange(d2t.numel()) + d2t
