@@ -277,3 +277,38 @@ def test_magpie_user_turns_from_the_chat_template(tmp_path: Path) -> None:
     assert got[3:] == ["Same question every time, again."]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["text"] for rec in lines] == got and {rec["source"] for rec in lines} == {"magpie:tiny"}
+
+
+def test_warm_start_from_an_exported_head_reproduces_it(bigram_target: Path, tmp_path: Path) -> None:
+    """--init-from an exported folder: the trainer's head computes what the exported head computes
+    (its fc re-expressed for the trainer's normalised features), with the export's own vocabulary;
+    exporting it again gives the same tensors."""
+    from augury.train.vocab import exported_vocab
+
+    target, tcfg = load_target(bigram_target, torch.float32, torch.device("cpu"), 64)
+    rng = random.Random(3)
+    samples = [Sample(tuple([1] + [rng.randrange(3, VOCAB) for _ in range(12)]), 3) for _ in range(6)]
+    draft_ids = torch.arange(1, VOCAB, 3)
+    t2d = mapping_tensors(draft_ids, VOCAB)[1]
+    settings = TrainSettings(ttt_length=2, batch_tokens=100)
+    source = build_head(target, head_config(tcfg, draft_ids.numel(), (0, 1, 2)), draft_ids, 64, seed=5)
+    with torch.no_grad():
+        source.fc.weight.mul_(3.0)  # something build_head would not make
+    exported = export_head(source, tcfg, draft_ids, tmp_path / "exported", torch.float32)
+    assert torch.equal(exported_vocab(exported), draft_ids)
+
+    head = build_head(target, head_config(tcfg, draft_ids.numel(), (0, 1, 2)), draft_ids, 64, seed=9)
+    trainer = Trainer(target, head, draft_ids, t2d, (0, 1, 2), samples, samples[:2], settings, tmp_path / "ck")
+    trainer.load_exported(exported)
+    again = export_head(trainer.head, tcfg, draft_ids, tmp_path / "again", torch.float32, trainer.aux_scale)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(exported / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    other = torch.arange(0, VOCAB, 3)  # another vocabulary: refused, not silently mixed
+    bad = Trainer(target, build_head(target, head_config(tcfg, other.numel(), (0, 1, 2)), other, 64, seed=9), other,
+                  mapping_tensors(other, VOCAB)[1], (0, 1, 2), samples, samples[:2], settings, tmp_path / "ck2")
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        bad.load_exported(exported)
