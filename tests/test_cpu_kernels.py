@@ -219,3 +219,35 @@ def test_attention_kernel_rejects_bad_inputs(attn_kernel) -> None:
     with pytest.raises(ValueError, match="shapes"):
         attn_kernel.attend_rows(q[:, :, :12].contiguous(), kc[:, :, :12].contiguous(), vc[:, :, :12].contiguous(),
                                 sl, nk, 1.0)
+
+
+# ---- per-row kernels (kernels/elementwise.cpp) ------------------------------------------------------
+
+@needs_kernel
+def test_rmsnorm_and_rope_kernels_match_torch_and_are_row_invariant() -> None:
+    from augury.models import layers
+
+    k = cpu_kernels.elementwise()
+    assert k is not None, "the elementwise kernels did not build or load on a machine that can build them"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 576, generator=g) * 3
+    w = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
+    got = k.rms_norm(x, w, 1e-5)
+    ref = (torch.nn.functional.rms_norm(x, (576,), None, 1e-5) * w.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()  # a bfloat16 step
+    assert torch.equal(torch.cat([k.rms_norm(x[i:i + 1], w, 1e-5) for i in range(70)]), got)  # 70 > 64: threads
+    norm = layers.RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data.copy_(w)
+    assert torch.equal(norm(x), got)  # the module takes the kernel
+
+    q = torch.randn(3, 30, 12, 64, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 100, (3, 30), generator=g)
+    cos = torch.cos(pos[..., None] * 0.01 * torch.arange(64)).to(torch.bfloat16)[:, :, None]
+    sin = torch.sin(pos[..., None] * 0.01 * torch.arange(64)).to(torch.bfloat16)[:, :, None]
+    got = k.rope(q, cos, sin)
+    half = torch.cat([-q.float()[..., 32:], q.float()[..., :32]], -1)
+    ref = (q.float() * cos.float() + half * sin.float()).to(torch.bfloat16)  # float32, rounded once
+    assert torch.equal(got, ref)
+    assert torch.equal(layers.apply_rope(q, cos, sin), got)
+    assert torch.equal(torch.cat([k.rope(q[i:i + 1], cos[i:i + 1], sin[i:i + 1]) for i in range(3)]), got)

@@ -32,7 +32,7 @@ from augury.config import CPU_KERNELS_VAR, cache_root, cpu_kernels_enabled
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("kernels")
-FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 GROUP = 32
 CHUNK = 8  # groups the kernel reduces together: per-group arrays are padded to a multiple of this
 BUILD_TIMEOUT_S = 300
@@ -186,6 +186,47 @@ class Attention:
         return out
 
 
+class Elementwise:
+    """The loaded per-row kernels (kernels/elementwise.cpp): RMSNorm of a float32 stream, rotary."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.augury_rmsnorm.argtypes = [p, i64, i64, p, i32, ctypes.c_float, p, i32, i32]
+        lib.augury_rmsnorm.restype = None
+        lib.augury_rope.argtypes = [p, i64, i64, i64, p, p, i32, p, i32]
+        lib.augury_rope.restype = None
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
+        if x.dtype != torch.float32 or weight.dtype not in (torch.bfloat16, torch.float32) \
+                or x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"rms_norm wants float32 CPU input and a bfloat16/float32 weight of its width, got "
+                             f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+        x = x.contiguous()
+        w = weight.contiguous()
+        out = torch.empty(x.shape, dtype=w.dtype)
+        dim = x.shape[-1]
+        self._lib.augury_rmsnorm(x.data_ptr(), x.numel() // dim, dim, w.data_ptr(), int(w.dtype == torch.bfloat16),
+                                 eps, out.data_ptr(), int(w.dtype == torch.bfloat16), torch.get_num_threads())
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, heads, hd]; cos / sin [B, Q, 1, hd] of x's dtype (bfloat16 or float32)."""
+        b, q, heads, hd = x.shape
+        if x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype \
+                or tuple(cos.shape) != (b, q, 1, hd) or tuple(sin.shape) != (b, q, 1, hd) or hd % 2 \
+                or x.device.type != "cpu":
+            raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)}, cos {cos.dtype} {tuple(cos.shape)}")
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._lib.augury_rope(x.data_ptr(), b * q, heads, hd, cos.data_ptr(), sin.data_ptr(),
+                              int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 def _self_check(k: W4A8) -> None:
     """Identity weights give back the rounded activations: catches a miscompiled or foreign library."""
     x = torch.tensor([[0.5, -1.0, 0.25, 2.0] * 16], dtype=torch.float32)  # [1, 64]: exactly representable
@@ -206,6 +247,17 @@ def _attention_self_check(k: Attention) -> None:
     got = k.attend_rows(q, kc, vc, torch.tensor([[0, 1]]), torch.tensor([2], dtype=torch.int32), 1.0)
     p = torch.softmax(torch.tensor([0.0, 2.0]), 0)
     if not torch.allclose(got, (p[0] * 1.0 + p[1] * 3.0).expand(1, 8), rtol=1e-5, atol=1e-6):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
+def _elementwise_self_check(k: Elementwise) -> None:
+    x = torch.tensor([[3.0, -4.0] * 4])  # rms 3.5355...
+    got = k.rms_norm(x, torch.full((8,), 2.0), 0.0)
+    if not torch.allclose(got, x / (12.5 ** 0.5) * 2.0, rtol=1e-6):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    c, s_ = torch.full((1, 1, 1, 4), 0.5), torch.full((1, 1, 1, 4), 2.0)
+    if not torch.equal(k.rope(v, c, s_), torch.tensor([-5.5, -7.0, 3.5, 6.0]).view(1, 1, 1, 4)):
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
@@ -240,6 +292,11 @@ def attention() -> Attention | None:
     return _load("attention", Attention, _attention_self_check)  # type: ignore[return-value]
 
 
+def elementwise() -> Elementwise | None:
+    """The per-row kernels (RMSNorm, rotary), built and loaded on first use; None where they cannot run."""
+    return _load("elementwise", Elementwise, _elementwise_self_check)  # type: ignore[return-value]
+
+
 def reset() -> None:
-    """Forget what w4a8() and attention() found (tests)."""
+    """Forget what the kernel loaders found (tests)."""
     _cache.clear()

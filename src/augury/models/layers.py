@@ -18,10 +18,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype in _KERNEL_DTYPES:
+            k = _elementwise()
+            if k is not None:  # one call instead of torch's several operators (models/cpu_kernels.py)
+                return k.rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # a float32 residual stream under 16-bit weights: normalise and scale in float32, round once
         return (F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight).to(self.weight.dtype)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _elementwise():
+    """augury's per-row CPU kernels (RMSNorm, rotary), or None where they cannot run: torch then."""
+    from augury.models import cpu_kernels
+
+    return cpu_kernels.elementwise()
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -62,6 +76,11 @@ class Rotary(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [B, Q, heads, hd]; Llama's rotate-half convention (first half paired with second half)
+    if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and cos.dtype == x.dtype and cos.dim() == 4 \
+            and cos.shape[2] == 1 and cos.shape[:2] == x.shape[:2]:
+        k = _elementwise()
+        if k is not None:  # float32 arithmetic, rounded once (models/cpu_kernels.py)
+            return k.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
