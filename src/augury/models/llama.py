@@ -27,15 +27,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn: PagedAttention, layer: int):
         b, ql, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, Q, (nh + 2 nkv) hd]
-        qk, v = qkv.split([(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
-        qk = qk.view(b, ql, self.nh + self.nkv, self.hd)
-        v = v.view(b, ql, self.nkv, self.hd)
+        qkv = self.qkv_proj(x).view(b, ql, self.nh + 2 * self.nkv, self.hd)  # [B, Q, heads, hd]
+        qk, v = qkv[:, :, : self.nh + self.nkv], qkv[:, :, self.nh + self.nkv :]  # views (cheaper than split)
         if self.qk_norm:
-            q, k = qk.split([self.nh, self.nkv], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+            qk = torch.cat([self.q_norm(qk[:, :, : self.nh]), self.k_norm(qk[:, :, self.nh :])], dim=2)
         # one rotation for the query and key heads together (elementwise per head: the same numbers)
-        q, k = apply_rope(qk, cos, sin).split([self.nh, self.nkv], dim=2)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :, : self.nh], qk[:, :, self.nh :]
         return self.o_proj(attn(layer, q, k, v))  # the backend writes k, v to the cache and attends
 
 
@@ -47,8 +45,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[..., : self.inter]) * gu[..., self.inter :])
 
 
 class DecoderLayer(nn.Module):
