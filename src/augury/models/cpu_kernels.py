@@ -7,10 +7,14 @@ run torch's kernels instead: a model never comes up half-built.
 w4a8 (kernels/w4a8.cpp): int4 weights in groups of 32 (a scale and a zero per group, torch's
 convention w = (q - 8) s + z) against activations rounded per row to int8 in the same groups, the
 integer dot products summed exactly (AVX2 maddubs). It computes every output row in one fixed
-order whatever the other rows and the threads, so rows are row-count invariant; and its cost
-grows with rows far more slowly than torch's int4 kernel (see quant.py for the figures).
+order whatever the other rows and the threads, so rows are row-count invariant (figures against
+torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 
-The kernel's threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
+attention (kernels/attention.cpp): exact attention rows, each over its own slot list read in place
+from the paged KV cache, float32. elementwise (kernels/elementwise.cpp): RMSNorm of the float32
+residual stream and the rotary embedding, float32, rounded once.
+
+The kernels' threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
 process), as many as torch.get_num_threads().
 """
 from __future__ import annotations

@@ -125,11 +125,14 @@ def _magpie(args, folder: Path, work: Path, make: bool) -> list[str]:
 
 
 def _prompts(args, magpie: list[str] | None = None) -> dict:
+    from augury.prompts import VARIED_PROMPTS
     from augury.train.prompts import Prompt, builtin_prompts, make_splits, read_prompts_file
 
     pool = read_prompts_file(args.prompts_file) if args.prompts_file else [Prompt(t) for t in builtin_prompts()]
     if magpie:
         pool = list({p.key: p for p in pool + [Prompt(t) for t in magpie]}.values())
+    held_out = {t for texts in VARIED_PROMPTS.values() for t in texts}  # never trained on, whatever the source
+    pool = [p for p in pool if p.text not in held_out]
     splits = make_splits(pool, args.num_prompts, args.seed)
     log.info("prompts: %d available -> train %d, valid %d, eval %d", len(pool), len(splits["train"]),
              len(splits["valid"]), len(splits["eval"]))
