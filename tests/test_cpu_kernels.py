@@ -251,3 +251,20 @@ def test_rmsnorm_and_rope_kernels_match_torch_and_are_row_invariant() -> None:
     assert torch.equal(got, ref)
     assert torch.equal(layers.apply_rope(q, cos, sin), got)
     assert torch.equal(torch.cat([k.rope(q[i:i + 1], cos[i:i + 1], sin[i:i + 1]) for i in range(3)]), got)
+
+
+def test_training_keeps_gradients_through_norm_and_rotary() -> None:
+    """The per-row kernels do not differentiate, so a module that trains (the draft head) runs
+    torch's operators: its gradients reach the norm weight and the rotated input."""
+    from augury.models import layers
+
+    norm = layers.RMSNorm(64, 1e-5)
+    x = torch.randn(3, 64, requires_grad=True)
+    norm(x).sum().backward()
+    assert norm.weight.grad is not None and x.grad is not None and x.grad.abs().sum() > 0
+    q = torch.randn(1, 2, 3, 16, requires_grad=True)
+    cos, sin = torch.rand(1, 2, 1, 16), torch.rand(1, 2, 1, 16)
+    layers.apply_rope(q, cos, sin).square().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with torch.no_grad():  # inference still takes the kernels where they run
+        assert not layers._needs_grad(q, cos, sin)

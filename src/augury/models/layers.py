@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype in _KERNEL_DTYPES:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype in _KERNEL_DTYPES \
+                and not _needs_grad(x, self.weight):
             k = _elementwise()
             if k is not None:  # one call instead of torch's several operators (models/cpu_kernels.py)
                 return k.rms_norm(x, self.weight, self.eps)
@@ -29,6 +30,11 @@ class RMSNorm(nn.Module):
 
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """The kernels do not differentiate: training (the draft head's norms and rotary) takes torch's."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _elementwise():
@@ -77,7 +83,7 @@ class Rotary(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [B, Q, heads, hd]; Llama's rotate-half convention (first half paired with second half)
     if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and cos.dtype == x.dtype and cos.dim() == 4 \
-            and cos.shape[2] == 1 and cos.shape[:2] == x.shape[:2]:
+            and cos.shape[2] == 1 and cos.shape[:2] == x.shape[:2] and not _needs_grad(x, cos, sin):
         k = _elementwise()
         if k is not None:  # float32 arithmetic, rounded once (models/cpu_kernels.py)
             return k.rope(x, cos, sin)
