@@ -73,7 +73,8 @@ def build(name: str) -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([src.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # included by every source
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, *FLAGS, version]).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     lib = folder / f"{name}-{key}.so"
     if lib.is_file():
@@ -100,17 +101,24 @@ def build(name: str) -> Path:
     return lib
 
 
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
+    """lib's C function `name` with its argument and result types set."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 class W4A8:
     """The loaded w4a8 kernel."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        fn = lib.augury_w4a8_linear
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i32, i64, i64, p, p, p, i64, i64, p, p, i32, i32]
-        fn.restype = i32
-        self._lib, self._fn = lib, fn
+        self._lib = ctypes.CDLL(str(path))
+        self._fn = _bind(self._lib, "augury_w4a8_linear",
+                         [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -158,12 +166,9 @@ class Attention:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        fn = lib.augury_attend_rows
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i32, i64, i64, i64, p, p, i32, i64, p, p, i64, ctypes.c_float, p, i32, i32]
-        fn.restype = i32
-        self._lib, self._fn = lib, fn
+        self._lib = ctypes.CDLL(str(path))
+        self._fn = _bind(self._lib, "augury_attend_rows", [_P, _I32, _I64, _I64, _I64, _P, _P, _I32, _I64, _P, _P,
+                                                           _I64, ctypes.c_float, _P, _I32, _I32], _I32)
 
     def attend_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                     nkeys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -195,13 +200,9 @@ class Elementwise:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.augury_rmsnorm.argtypes = [p, i64, i64, p, i32, ctypes.c_float, p, i32, i32]
-        lib.augury_rmsnorm.restype = None
-        lib.augury_rope.argtypes = [p, i64, i64, i64, p, p, i32, p, i32]
-        lib.augury_rope.restype = None
-        self._lib = lib
+        self._lib = ctypes.CDLL(str(path))
+        self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
+        self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
@@ -213,7 +214,7 @@ class Elementwise:
         w = weight.contiguous()
         out = torch.empty(x.shape, dtype=w.dtype)
         dim = x.shape[-1]
-        self._lib.augury_rmsnorm(x.data_ptr(), x.numel() // dim, dim, w.data_ptr(), int(w.dtype == torch.bfloat16),
+        self._rmsnorm(x.data_ptr(), x.numel() // dim, dim, w.data_ptr(), int(w.dtype == torch.bfloat16),
                                  eps, out.data_ptr(), int(w.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
@@ -226,7 +227,7 @@ class Elementwise:
             raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)}, cos {cos.dtype} {tuple(cos.shape)}")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._lib.augury_rope(x.data_ptr(), b * q, heads, hd, cos.data_ptr(), sin.data_ptr(),
+        self._rope(x.data_ptr(), b * q, heads, hd, cos.data_ptr(), sin.data_ptr(),
                               int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
         return out
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from augury.models import cpu_kernels
 from augury.models.config import RopeConfig
 
 
@@ -39,8 +40,6 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 def _elementwise():
     """augury's per-row CPU kernels (RMSNorm, rotary), or None where they cannot run: torch then."""
-    from augury.models import cpu_kernels
-
     return cpu_kernels.elementwise()
 
 

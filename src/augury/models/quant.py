@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from augury.models import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 MODES = ("none", "int8", "int4")
@@ -167,8 +169,6 @@ def default_int4_backend(dtype: torch.dtype) -> str:
     and loads; else "torch" (torch's int4 kernel: float32, the reference mode, always takes it)."""
     if dtype != torch.bfloat16:
         return "torch"
-    from augury.models import cpu_kernels
-
     return "w4a8" if cpu_kernels.w4a8() is not None else "torch"
 
 
@@ -198,9 +198,7 @@ class Int4Linear(_QuantLinear):
         self.out_features, self.in_features = n, k
         scale, zero = scale.to(dtype), zero.to(dtype)
         if backend == "w4a8":
-            from augury.models.cpu_kernels import W4A8
-
-            nib, s, z = W4A8.pack(codes, scale, zero)
+            nib, s, z = cpu_kernels.W4A8.pack(codes, scale, zero)
             self.register_buffer("w4a8_codes", nib)  # [N, K/32, 16] uint8
             self.register_buffer("w4a8_scale", s)  # [N, Gp] bfloat16, zero-padded
             self.register_buffer("w4a8_zero", z)
@@ -238,9 +236,7 @@ class Int4Linear(_QuantLinear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "w4a8":
-            from augury.models.cpu_kernels import w4a8
-
-            kernel = w4a8()
+            kernel = cpu_kernels.w4a8()
             if kernel is None:  # turned off after this module was built for it (AUGURY_CPU_KERNELS)
                 raise RuntimeError("this int4 linear was packed for augury's w4a8 kernel, which is unavailable now")
             return kernel.linear(x, self.w4a8_codes, self.w4a8_scale, self.w4a8_zero)

@@ -7,30 +7,19 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
+
 namespace {
 
 inline float ld(const void *p, bool bf16, int64_t i) {
-    if (bf16) {
-        uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t *>(p)[i]) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        return f;
-    }
-    return static_cast<const float *>(p)[i];
+    return bf16 ? augury::bf16_to_f32(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
 }
 
 inline void st(void *p, bool bf16, int64_t i, float f) {
-    if (bf16) {  // round to nearest even; NaN stays NaN
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u)
-            u = (u >> 16) | 0x40;
-        else
-            u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        static_cast<uint16_t *>(p)[i] = static_cast<uint16_t>(u);
-    } else {
+    if (bf16)
+        static_cast<uint16_t *>(p)[i] = augury::f32_to_bf16(f);
+    else
         static_cast<float *>(p)[i] = f;
-    }
 }
 
 }  // namespace

@@ -19,36 +19,19 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "simd.h"
+
 namespace {
+
+using augury::f32_to_bf16;
+using augury::hsum;
+using augury::load8;
 
 constexpr int GROUP = 32;
 constexpr int CHUNK = 8;      // groups reduced together (one float lane each)
 constexpr int ROW_TILE = 64;  // rows whose int8 activations stay in cache while the columns stream
 
-inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline __m256 load8(const void *x, bool bf16, int64_t i) {
-    if (bf16) return load_bf16x8(static_cast<const uint16_t *>(x) + i);
-    return _mm256_loadu_ps(static_cast<const float *>(x) + i);
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+inline __m256 load_bf16x8(const uint16_t *p) { return load8(p, true, 0); }
 
 // one row: xq [K] int8, dx [Gp] scales, xsum [Gp] the group's sum of xq, xs = dx * xsum; padding groups zero
 void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t *xq, float *dx, float *xs,
