@@ -211,6 +211,7 @@ class TorchStepAttention:
         # read in place from the cache, in float32; the same per row whatever the batch
         self.kernel = _attention_kernel(k_cache) if exact is not None else None
         self.kernel_calls: list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._fused_rows = None
         if self.kernel is not None:
             for rows, slots, valid in exact.groups:
                 g, w = valid.shape[0], valid.shape[-1]
@@ -223,6 +224,26 @@ class TorchStepAttention:
             if lone:
                 slots, mask = torch.cat([slots, slots]), torch.cat([mask, mask])
             self.exact_calls.append((rows, slots, mask, lone))
+
+    def fused_rows(self):
+        """For the fused layer stack (models/fused.py): (k_cache, v_cache, slot_mapping [R], slots [R, W],
+        nkeys [R] int32), every row's keys in one table, or None where this step's attention is not
+        exact rows on augury's kernel. Built once per step."""
+        if not self.kernel_calls:
+            return None
+        if self._fused_rows is None:
+            r = self.exact.rows
+            if len(self.kernel_calls) == 1 and self.kernel_calls[0][0] == slice(0, r):
+                _, slots, nkeys = self.kernel_calls[0]
+            else:
+                w = max(s.shape[1] for _, s, _ in self.kernel_calls)
+                slots = torch.zeros(r, w, dtype=torch.int64)
+                nkeys = torch.zeros(r, dtype=torch.int32)
+                for rows, s, n in self.kernel_calls:
+                    slots[rows, : s.shape[1]] = s
+                    nkeys[rows] = n
+            self._fused_rows = (self.k_cache, self.v_cache, self.slot_mapping.contiguous(), slots, nkeys)
+        return self._fused_rows
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
         if self.compute_dtype is None:

@@ -12,7 +12,11 @@ torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 
 attention (kernels/attention.cpp): exact attention rows, each over its own slot list read in place
 from the paged KV cache, float32. elementwise (kernels/elementwise.cpp): RMSNorm of the float32
-residual stream and the rotary embedding, float32, rounded once.
+residual stream, the rotary embedding and silu(gate) * up, float32, rounded once.
+
+forward (kernels/forward.cpp): the whole layer stack of a bfloat16 int4 target in one call, built
+from the same row functions (the kernels' *.h), bit for bit what the layer-by-layer path computes;
+models/fused.py decides when it runs.
 
 The kernels' threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
 process), as many as torch.get_num_threads().
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import logging
 import os
 import platform
@@ -203,6 +208,7 @@ class Elementwise:
         self._lib = ctypes.CDLL(str(path))
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
+        self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
@@ -230,6 +236,32 @@ class Elementwise:
         self._rope(x.data_ptr(), b * q, heads, hd, cos.data_ptr(), sin.data_ptr(),
                               int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
         return out
+
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [..., 2 n] (gate then up; bfloat16 or float32, CPU) -> silu(gate) * up [..., n], float32
+        arithmetic rounded once."""
+        if gu.dtype not in (torch.bfloat16, torch.float32) or gu.device.type != "cpu" or gu.shape[-1] % 2:
+            raise ValueError(f"silu_mul wants a bfloat16/float32 CPU [..., 2n] tensor, got {gu.dtype} "
+                             f"{tuple(gu.shape)} on {gu.device}")
+        gu = gu.contiguous()
+        n = gu.shape[-1] // 2
+        out = torch.empty(*gu.shape[:-1], n, dtype=gu.dtype)
+        self._silu_mul(gu.data_ptr(), gu.numel() // (2 * n) if n else 0, n, int(gu.dtype == torch.bfloat16),
+                       out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+class Forward:
+    """The loaded whole-stack kernel (kernels/forward.cpp); models/fused.py builds its arguments."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self.nfields = _bind(self._lib, "augury_forward_nfields", [], _I32)()
+        self.run = _bind(self._lib, "augury_forward_layers",
+                         [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P, _P, _I64, _P, _P,
+                          _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32], _I32)
 
 
 def _self_check(k: W4A8) -> None:
@@ -263,6 +295,21 @@ def _elementwise_self_check(k: Elementwise) -> None:
     v = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
     c, s_ = torch.full((1, 1, 1, 4), 0.5), torch.full((1, 1, 1, 4), 2.0)
     if not torch.equal(k.rope(v, c, s_), torch.tensor([-5.5, -7.0, 3.5, 6.0]).view(1, 1, 1, 4)):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+    gu = torch.tensor([[0.0, 2.0, 3.0, 5.0]])
+    if not torch.allclose(k.silu_mul(gu), torch.tensor([[0.0, 2.0 / (1.0 + math.exp(-2.0)) * 5.0]]), rtol=1e-6):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
+def _forward_self_check(k: Forward) -> None:
+    """No layers: the final norm alone, against the formula."""
+    h = torch.tensor([[3.0, -4.0] * 16])  # [1, 32]
+    w = torch.full((32,), 2.0, dtype=torch.bfloat16)
+    out = torch.empty(1, 32, dtype=torch.bfloat16)
+    none, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    rc = k.run(h.data_ptr(), 1, 32, 1, 1, 32, 32, 0, 0.0, none.data_ptr(), None, None, 0, none.data_ptr(),
+               none.data_ptr(), one.data_ptr(), 1, None, None, None, 0, None, w.data_ptr(), out.data_ptr(), 1)
+    if rc or not torch.allclose(out.float(), h / (12.5 ** 0.5) * 2.0, rtol=1e-2):
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
@@ -300,6 +347,11 @@ def attention() -> Attention | None:
 def elementwise() -> Elementwise | None:
     """The per-row kernels (RMSNorm, rotary), built and loaded on first use; None where they cannot run."""
     return _load("elementwise", Elementwise, _elementwise_self_check)  # type: ignore[return-value]
+
+
+def forward() -> Forward | None:
+    """The whole-stack kernel, built and loaded on first use; None where it cannot run."""
+    return _load("forward", Forward, _forward_self_check)  # type: ignore[return-value]
 
 
 def reset() -> None:

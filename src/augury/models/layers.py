@@ -43,6 +43,16 @@ def _elementwise():
     return cpu_kernels.elementwise()
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2 n] (a fused gate|up projection) -> silu(gate) * up [..., n]."""
+    if gu.device.type == "cpu" and gu.dtype in _KERNEL_DTYPES and not _needs_grad(gu):
+        k = _elementwise()
+        if k is not None:  # float32 arithmetic, rounded once (models/cpu_kernels.py)
+            return k.silu_mul(gu)
+    n = gu.shape[-1] // 2
+    return F.silu(gu[..., :n]) * gu[..., n:]
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] for default, linear and Llama-3 rope scaling."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

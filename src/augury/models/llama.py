@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.models.config import TargetConfig
-from augury.models.layers import PagedAttention, RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed
+from augury.models.fused import FusedStack
+from augury.models.layers import PagedAttention, RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed, silu_mul
 
 
 class Attention(nn.Module):
@@ -45,8 +46,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[..., : self.inter]) * gu[..., self.inter :])
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +75,11 @@ class TargetModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_len)
+        self._fused: FusedStack | None | bool = None  # models/fused.py: None until tried, False if it cannot
+
+    def _apply(self, fn, *args, **kwargs):
+        self._fused = None  # tensors moved or converted: the fused kernel's addresses are stale
+        return super()._apply(fn, *args, **kwargs)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -94,6 +99,11 @@ class TargetModel(nn.Module):
         # unrounded (bfloat16 demo, 8 chat answers: mean |logit error| against float32 0.064,
         # 0.105 with a bfloat16 stream, transformers' 0.110). Elementwise, so rows stay independent.
         h = h.float()
+        if self._fused is not False:  # the whole stack in one C++ call where model and step allow
+            if self._fused is None:
+                self._fused = FusedStack.build(self) or False
+            if self._fused and (done := self._fused.run(h, cos, sin, attn, aux_layers)) is not None:
+                return done
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attn, i)
@@ -111,6 +121,7 @@ class TargetModel(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """Pick the fastest weight layout for this device and dtype (after loading)."""
+        self._fused = None  # weights may have moved: rebuild the fused kernel's table on the next forward
         if prefer_transposed(self.layers):
             # tied output layer: a transposed copy of the embedding (float32 only)
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

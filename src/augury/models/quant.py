@@ -330,6 +330,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
         if head is not None:
             model.lm_head = head.to(device)
     model.quantization = mode
+    model._fused = None  # new linears: models/fused.py builds its table again
     return model
 
 

@@ -1,0 +1,108 @@
+"""The whole layer stack in one C++ call (kernels/forward.cpp), where the model and the step allow.
+
+At batch 1 the demo's decode step spent about as long in Python and ATen's per-operator work
+(~12 ms: 30 layers x ~12 operators, each a Python call, a dispatch, an allocation and, for the
+kernels, a thread wake-up) as in the arithmetic itself. The fused kernel runs every layer in one
+OpenMP region; this module decides when it may and hands it the addresses once.
+
+It runs when the model is a bfloat16 target whose four projections per layer are int4 linears on
+the w4a8 kernel (the demo's default), without q/k norms, on the CPU, and the step's attention is
+exact rows on augury's attention kernel (decode steps and verified trees; prefill chunks take the
+masked path) over a bfloat16 cache, with no gradient wanted. Everywhere else the layer-by-layer
+forward runs. Both compute the same bits (tests/test_fused.py), so a step may take either.
+"""
+from __future__ import annotations
+
+import torch
+
+from augury.models import cpu_kernels
+
+FIELDS = 18  # per layer: the order of kernels/forward.cpp's Field enum
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _linear_fields(lin) -> list[int] | None:
+    """codes, scale, zero, bias addresses of a w4a8 int4 linear in bfloat16, else None."""
+    from augury.models.quant import Int4Linear
+
+    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16 \
+            or lin.dense is not None:
+        return None
+    bias = lin.bias
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    return [lin.w4a8_codes.data_ptr(), lin.w4a8_scale.data_ptr(), lin.w4a8_zero.data_ptr(), _addr(bias)]
+
+
+class FusedStack:
+    """A TargetModel's layer stack as the fused kernel's pointer table (built once; holds the model)."""
+
+    def __init__(self, model, kernel: cpu_kernels.Forward, table: torch.Tensor) -> None:
+        cfg = model.cfg
+        self.model, self.kernel, self.table = model, kernel, table
+        self.h, self.nh, self.nkv, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.inter, self.layers, self.eps = cfg.intermediate_size, cfg.num_layers, float(cfg.rms_norm_eps)
+
+    @staticmethod
+    def build(model) -> "FusedStack | None":
+        """The plan for `model`, or None where the fused kernel cannot take it."""
+        cfg = model.cfg
+        if cfg.qk_norm or model.embed_tokens.weight.device.type != "cpu" or model.quantization != "int4":
+            return None
+        rows, held = [], []  # held: the tensors whose addresses the table holds, kept alive with it
+        for layer in model.layers:
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None
+            fields = [norms[0].data_ptr()]
+            for i, lin in enumerate((layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                     layer.mlp.down_proj)):
+                f = _linear_fields(lin)
+                if f is None:
+                    return None
+                fields += f
+                if i == 1:
+                    fields.append(norms[1].data_ptr())
+            rows.append(fields)
+            held += [*norms, *(t for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                            layer.mlp.down_proj) for t in lin.buffers())]
+        if model.norm.weight.dtype != torch.bfloat16:
+            return None
+        kernel = cpu_kernels.forward()
+        if kernel is None or kernel.nfields != FIELDS:
+            return None
+        stack = FusedStack(model, kernel, torch.tensor(rows, dtype=torch.int64).contiguous())
+        stack.held = held + [lin.bias for layer in model.layers for lin in (layer.self_attn.qkv_proj,
+                             layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return stack
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, aux_layers: tuple[int, ...]
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """h [B, Q, H] float32 (the embedded tokens; updated in place); cos / sin [B, Q, 1, hd]
+        bfloat16. Returns (final-norm hidden [B, Q, H] bfloat16, aux [B, Q, n*H] or None), or None
+        when this step's attention is not one the kernel takes (the caller runs the layers)."""
+        rows = getattr(attn, "fused_rows", None)
+        table = rows() if rows is not None else None
+        b, q, hid = h.shape
+        if table is None or torch.is_grad_enabled() and h.requires_grad:
+            return None
+        k_cache, v_cache, slot_mapping, slots, nkeys = table
+        if k_cache.dtype != torch.bfloat16 or slot_mapping.shape[0] != b * q:
+            return None
+        h = h.contiguous()
+        cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
+        aux = torch.tensor(aux_layers, dtype=torch.int32)
+        aux_out = torch.empty(b, q, len(aux_layers) * hid, dtype=torch.bfloat16) if aux_layers else None
+        out = torch.empty(b, q, hid, dtype=torch.bfloat16)
+        rc = self.kernel.run(h.data_ptr(), b * q, hid, self.nh, self.nkv, self.hd, self.inter, self.layers, self.eps,
+                             self.table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
+                             slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
+                             cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out),
+                             self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"the fused forward kernel failed (code {rc}: "
+                               f"{'bad shapes or key counts' if rc == 1 else 'out of memory'})")
+        return out, aux_out

@@ -1,0 +1,103 @@
+"""The whole layer stack in one C++ call (models/fused.py, kernels/forward.cpp): taken where the
+model and the step allow, the same bits as the layer-by-layer forward (log-probabilities compared
+exactly), speculative verification through it equal to plain decoding through the layers, and
+the layer-by-layer path wherever it cannot run."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.models import cpu_kernels, fused, quant
+from conftest import random_prompts
+from speculative_helpers import make_target, random_head
+
+needs_kernels = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64")
+    or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or cpu_kernels._compiler() is None,
+    reason="needs x86-64 with AVX2 and a C++ compiler")
+
+
+@pytest.fixture
+def count_fused(monkeypatch):
+    """Counts the forwards the fused kernel actually ran."""
+    calls = {"fused": 0}
+    real = fused.FusedStack.run
+
+    def run(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls["fused"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused.FusedStack, "run", run)
+    monkeypatch.setattr(quant, "native_bf16_gemm", lambda: False)  # no dense switch: one kernel per row count
+    return calls
+
+
+def _generate(llm, prompts, params, layers: bool):
+    model = llm.engine.model
+    model._fused = False if layers else None
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.token_ids, [{t: (lp.logprob, lp.rank) for t, lp in pos.items()} for pos in o.logprobs]) for o in outs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # qwen2: q|k|v biases
+def test_fused_stack_equals_the_layer_by_layer_forward(family, tiny_checkpoint, count_fused) -> None:
+    folder = tiny_checkpoint(family)
+    llm = LLM(str(folder), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+              log_stats_interval=0)
+    prompts = random_prompts([5, 11, 3, 17], seed=3)  # different key counts in one decode batch
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=4) for n in (12, 7, 15, 9)]
+    before = count_fused["fused"]  # start-up's warm-up may have run it
+    want = _generate(llm, prompts, params, layers=True)
+    assert count_fused["fused"] == before
+    got = _generate(llm, prompts, params, layers=False)
+    assert isinstance(llm.engine.model._fused, fused.FusedStack)
+    assert count_fused["fused"] - before >= 14  # every decode step (prefill chunks take the layers)
+    assert got == want  # tokens and log-probabilities, exactly
+
+
+@needs_kernels
+def test_verification_through_the_fused_stack_equals_plain_decoding_through_the_layers(tmp_path, count_fused
+                                                                                         ) -> None:
+    target, head = make_target(tmp_path / "target"), random_head(tmp_path / "head")
+    common = dict(dtype="bfloat16", quantization="int4", log_stats_interval=0)
+    plain = LLM(str(target), speculative_algorithm="none", **common)
+    spec = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, **common)
+    prompts = random_prompts([6, 9, 4], seed=5)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (20, 13, 26)]
+    want = _generate(plain, prompts, params, layers=True)
+    before = count_fused["fused"]
+    got = _generate(spec, prompts, params, layers=False)
+    assert count_fused["fused"] > before
+    assert sum(o.spec_stats.num_verify_steps for o in spec.generate(prompts, params, use_tqdm=False)) > 0
+    assert got == want
+
+
+@needs_kernels
+def test_the_layers_run_where_the_fused_stack_cannot(tiny_checkpoint, count_fused) -> None:
+    prompt = random_prompts([6], seed=1)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    before = count_fused["fused"]
+    for family, kwargs in (("qwen3", dict(dtype="bfloat16", quantization="int4")),  # q/k norms
+                           ("llama", dict(dtype="float32", quantization="int4")),  # float32: the reference mode
+                           ("llama", dict(dtype="bfloat16", quantization="none"))):  # dense weights
+        llm = LLM(str(tiny_checkpoint(family)), speculative_algorithm="none", log_stats_interval=0, **kwargs)
+        assert len(llm.generate(prompt, params, use_tqdm=False)[0].token_ids) == 5
+        assert llm.engine.model._fused is False, (family, kwargs)
+    assert count_fused["fused"] == before
+
+
+@needs_kernels
+def test_moving_or_requantising_the_model_drops_the_fused_table(tiny_checkpoint, count_fused) -> None:
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+              log_stats_interval=0)
+    llm.generate(random_prompts([4]), SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    model = llm.engine.model
+    assert isinstance(model._fused, fused.FusedStack)
+    model.to("cpu")  # any _apply: the table's addresses may be stale
+    assert model._fused is None
