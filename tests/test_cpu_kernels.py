@@ -99,6 +99,38 @@ def test_w4a8_rows_are_row_count_and_thread_invariant(kernel) -> None:
 
 
 @needs_kernel
+def test_w8a8_matches_its_reference_and_is_row_count_invariant() -> None:
+    """int8 weights per group of 32 (Q8_0's rule) against the same int8-rounded activations: exact
+    integer dot products, float32 sums; a row alone equals the row among others, 1 or 2 threads."""
+    k8 = cpu_kernels.w8a8()
+    assert k8 is not None
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 288, generator=g) * 0.1
+    w[5, :G] = 0.0  # an all-zero weight group
+    codes, scale = k8.pack(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127 and scale.shape == (40, 16)
+    deq = codes.double().view(40, 9, G) * scale[:, :9, None].double()
+    assert ((deq.view(40, 288) - w.double()).abs() <= scale[:, :9].double().repeat_interleave(G, 1) / 2 + 1e-9).all()
+    x = torch.randn(13, 288, generator=g).to(torch.bfloat16)
+    got = k8.linear(x, codes, scale)
+    xf = x.float().view(13, 9, G)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a true division
+    xt = (torch.round(xf * inv) * (amax / 127.0)).view(13, 288)
+    ref = xt.double() @ deq.view(40, 288).t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in (0, 6, 12):
+                assert torch.equal(k8.linear(x[r : r + 1], codes, scale), got[r : r + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_w4a8_rejects_bad_inputs(kernel) -> None:
     codes, scale, zero = _parts(16, 64)
     packed = kernel.pack(codes, scale, zero)

@@ -18,7 +18,7 @@ import torch
 from augury import LLM, SamplingParams
 from augury.attention import TorchPagedBackend
 from augury.engine.kv_cache import KVCache
-from augury.models import quant
+from augury.models import cpu_kernels, quant
 from augury.models.dense import HalfPackedLinear, half_gemm_available
 from augury.models.eagle3 import load_eagle3
 from augury.models.gguf import INT4_FILE, INT4_INDEX, convert_gguf_to_hf
@@ -321,10 +321,18 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
                 # d and z each off by <= 2^-9 relative, |q - 8| d and |z| both <= max |w| of the row,
                 # and the value itself rounds to bfloat16: <= 2^-8 (|w| + 2 max |w|)
                 assert _within(got, ref, 2**-7)
-    # the tied output layer comes from the Q8_0 embedding, its own copy: packed for fbgemm's float16
-    # GEMM in 16-bit dtypes where that serves (models/dense.py), else int8 per channel
-    packed = dtype != torch.float32 and half_gemm_available(dtype, torch.device("cpu"))
-    assert isinstance(model.lm_head, HalfPackedLinear if packed else Int8Linear)
+    # the tied output layer comes from the Q8_0 embedding, its own copy: in bfloat16 on augury's w8a8
+    # kernel (Q8_0's layout and rule) where it builds; else packed for fbgemm's float16 GEMM in 16-bit
+    # dtypes where that serves (models/dense.py), else int8 per channel
+    if dtype == torch.bfloat16 and cpu_kernels.w8a8() is not None:
+        assert isinstance(model.lm_head, quant.W8A8OutputLinear)
+        emb = model.embed_tokens.weight.float()
+        groups = emb.view(emb.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+        err = (model.lm_head.weight - emb).view(emb.shape[0], -1, 32).abs()
+        assert (err <= groups / 254 * 1.001).all()  # half a step of max |w| / 127 per group
+    else:
+        packed = dtype != torch.float32 and half_gemm_available(dtype, torch.device("cpu"))
+        assert isinstance(model.lm_head, HalfPackedLinear if packed else Int8Linear)
     assert isinstance(model.embed_tokens, torch.nn.Embedding)
 
 

@@ -10,6 +10,9 @@ integer dot products summed exactly (AVX2 maddubs). It computes every output row
 order whatever the other rows and the threads, so rows are row-count invariant (figures against
 torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 
+w8a8 (kernels/w8a8.cpp): int8 weights with a float32 scale per group of 32 (GGUF's Q8_0) against the
+same int8 activations, float32 out: a quantised target's output layer.
+
 attention (kernels/attention.cpp): exact attention rows, each over its own slot list read in place
 from the paged KV cache, float32. elementwise (kernels/elementwise.cpp): RMSNorm of the float32
 residual stream, the rotary embedding and silu(gate) * up, float32, rounded once.
@@ -166,6 +169,47 @@ class W4A8:
         return y
 
 
+class W8A8:
+    """The loaded w8a8 kernel (kernels/w8a8.cpp)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._fn = _bind(self._lib, "augury_w8a8_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _I64, _P, _I32], _I32)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight [N, K] -> (int8 [N, K], float32 scales [N, Gp]): symmetric per group of 32, the
+        scale max |w| / 127 (GGUF's Q8_0 rule), codes -127..127; Gp = K / 32 padded to a multiple of 8."""
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"w8a8 needs in_features % {GROUP} == 0, got {k}")
+        g = k // GROUP
+        w = weight.detach().float().view(n, g, GROUP)
+        scale = w.abs().amax(-1) / 127.0
+        q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
+        s = torch.zeros(n, -(-g // CHUNK) * CHUNK, dtype=torch.float32)
+        s[:, :g] = scale
+        return q.view(n, k).contiguous(), s
+
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, N]; the weights are pack()'s output."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        n = codes.shape[0]
+        if k != codes.shape[1]:
+            raise ValueError(f"w8a8: input has {k} features, the weights {codes.shape[1]}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
+                      scale.shape[1], y.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
+
+
 class Attention:
     """The loaded exact-rows attention kernel (kernels/attention.cpp)."""
 
@@ -276,6 +320,15 @@ def _self_check(k: W4A8) -> None:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
+def _w8a8_self_check(k: W8A8) -> None:
+    """Identity weights give back the rounded activations."""
+    x = torch.tensor([[0.5, -1.0, 0.25, 2.0] * 16], dtype=torch.float32)
+    got = k.linear(x, *k.pack(torch.eye(64)))
+    want = torch.round(x * (127.0 / 2.0)) * (2.0 / 127.0)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
 def _attention_self_check(k: Attention) -> None:
     """One row over two keys against the softmax written out."""
     q = torch.ones(1, 1, 8)
@@ -337,6 +390,11 @@ def _load(name: str, make, check) -> object | None:
 def w4a8() -> W4A8 | None:
     """The w4a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
     return _load("w4a8", W4A8, _self_check)  # type: ignore[return-value]
+
+
+def w8a8() -> W8A8 | None:
+    """The w8a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
+    return _load("w8a8", W8A8, _w8a8_self_check)  # type: ignore[return-value]
 
 
 def attention() -> Attention | None:

@@ -135,8 +135,9 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
     """Swap in the int4 weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE):
     Q4_0/Q4_1 tensors run as int4 in their exact value (scales rounded to `dtype` only); a linear
     whose source was 8-bit (Q8_0: the demo's tied output layer) runs as int8 per channel,
-    requantised from its dense weights, except an output layer where fbgemm's float16 GEMM serves
-    (models/dense.packed_output_layer); anything else stays dense. Returns the int4 count."""
+    requantised from its dense weights, except an output layer where augury's w8a8 kernel (Q8_0's
+    layout, quant.w8a8_output_layer) or fbgemm's float16 GEMM (models/dense.packed_output_layer)
+    serves; anything else stays dense. Returns the int4 count."""
     from augury.models import quant
 
     index = json.loads((folder / INT4_INDEX).read_text())
@@ -162,7 +163,8 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                 if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
                     new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, threshold["int4"])
                     count += 1
-            elif path == "lm_head" and (packed := packed_output_layer(dense, dtype, device)) is not None:
+            elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
+                                        or packed_output_layer(dense, dtype, device)) is not None:
                 new = packed
             elif all(sources.get(n) == "Q8_0" for n in names):
                 new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype, threshold["int8"])
