@@ -1,4 +1,5 @@
-"""Dense 16-bit linears through fbgemm's float16 GEMM (models/dense.py).
+"""Dense 16-bit linears (models/dense.py): augury's bf16 kernel where it builds, else fbgemm's
+float16 GEMM (the fbgemm tests turn augury's kernel off with the `no_bf16_kernel` fixture).
 
 The torch facts first (padding to the kernel height makes rows independent of their batch;
 without it they are not, which is why the target pads), then the module against a float32
@@ -11,14 +12,21 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.models.dense import (NO_PADDING, PROBE_ROWS, HalfPackedLinear, half_gemm_available, pack_half_linears,
-                                 row_padding)
+from augury.models import cpu_kernels
+from augury.models.dense import (NO_PADDING, PROBE_ROWS, BF16PanelLinear, HalfPackedLinear, half_gemm_available,
+                                 pack_half_linears, row_padding)
 from augury.models.loader import load_target
 from conftest import hf_logits
 
 CPU = torch.device("cpu")
 needs_fbgemm = pytest.mark.skipif(not half_gemm_available(torch.bfloat16, CPU),
                                   reason="fbgemm's float16 GEMM is not what this CPU uses for bfloat16")
+
+
+@pytest.fixture
+def no_bf16_kernel(monkeypatch):
+    """augury's dense bfloat16 kernel unavailable: the fbgemm path, as on machines without a compiler."""
+    monkeypatch.setattr(cpu_kernels, "bf16", lambda: None)
 
 
 def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -68,7 +76,7 @@ def test_half_packed_linear_is_a_float32_product_rounded_once(bias) -> None:
 
 
 @needs_fbgemm
-def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_model) -> None:
+def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_model, no_bf16_kernel) -> None:
     """bfloat16, quantization none: every target linear and the (tied) output layer are packed and
     padded; logits stay close to transformers' float32 forward (as close as the F.linear path)."""
     folder = tiny_checkpoint("qwen2")  # tied output layer, q/k/v bias
@@ -126,10 +134,16 @@ def test_weights_past_float16_range_keep_f_linear() -> None:
 
 
 @needs_fbgemm
-def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path) -> None:
-    """Batched and alone, bit for bit: the padding makes verified rows decode rows (without it the
+@pytest.mark.parametrize("kernel", ["fbgemm", "augury-bf16"])
+def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path, kernel) -> None:
+    """Batched and alone, bit for bit: fbgemm's padding makes verified rows decode rows (without it the
     comparison is not guaranteed: unpadded rows differ, see above; tests/test_draft_budget.py's
-    bfloat16 run fails with the target unpadded)."""
+    bfloat16 run fails with the target unpadded); augury's bf16 kernel is row-count invariant as it is
+    (and its steps run through the fused layer stack, models/fused.py)."""
+    if kernel == "fbgemm":
+        monkeypatch.setattr(cpu_kernels, "bf16", lambda: None)
+    elif cpu_kernels.bf16() is None:
+        pytest.skip("augury's bf16 kernel does not build here")
     from speculative_helpers import make_target, random_head
     from test_quant import _prompts
 
@@ -140,7 +154,8 @@ def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path
     plain = LLM(str(target), speculative_algorithm="none", **common)
     spec = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
                speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, **common)
-    assert isinstance(spec.engine.model.layers[0].mlp.down_proj, HalfPackedLinear)
+    assert isinstance(spec.engine.model.layers[0].mlp.down_proj,
+                      HalfPackedLinear if kernel == "fbgemm" else BF16PanelLinear)
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
     alone = [spec.generate([p], [sp], use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
@@ -149,7 +164,7 @@ def test_speculative_greedy_equals_plain_greedy_bf16_dense(monkeypatch, tmp_path
 
 
 @needs_fbgemm
-def test_an_untied_output_layer_past_float16_range_stays(tiny_checkpoint, tmp_path) -> None:
+def test_an_untied_output_layer_past_float16_range_stays(tiny_checkpoint, tmp_path, no_bf16_kernel) -> None:
     """The output layer is only replaced when it can be packed: one weight past float16's range
     keeps the untied model's own lm_head (it must not fall back to the embedding)."""
     import shutil
@@ -170,3 +185,63 @@ def test_an_untied_output_layer_past_float16_range_stays(tiny_checkpoint, tmp_pa
     model, _ = load_target(folder, torch.bfloat16, CPU, 64)
     assert type(model.lm_head) is torch.nn.Linear
     assert model.lm_head.weight[0, 0].item() == 2.0**20
+
+
+needs_bf16_kernel = pytest.mark.skipif(not half_gemm_available(torch.bfloat16, CPU) or cpu_kernels.bf16() is None,
+                                       reason="augury's bf16 kernel does not serve or build here")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panel_linear_is_a_float32_product_rounded_once_and_row_invariant(bias) -> None:
+    """Against float64: the float32 sum of exact products, rounded once to bfloat16 (+ the bias,
+    rounded again); a row alone, among 1-70 rows and at 1 or 2 threads comes out the same bits."""
+    w, x = _bf16(50, 200, seed=3, scale=0.05), _bf16(70, 200, seed=4)  # 50: a last panel of 2 columns
+    b = _bf16(50, seed=5) if bias else None
+    lin = BF16PanelLinear(w, b, cpu_kernels.bf16())
+    assert torch.equal(lin.weight, w)
+    got = lin(x)
+    exact = x.double() @ w.double().t()
+    raw = cpu_kernels.bf16().linear(x, lin.panels, 50, out_dtype=torch.float32)
+    assert (raw.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    want = raw.bfloat16() if b is None else (raw.bfloat16().float() + b.float()).bfloat16()
+    assert torch.equal(got, want)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in (0, 5, 33, 69):
+                assert torch.equal(lin(x[r : r + 1]), got[r : r + 1])
+            assert torch.equal(lin(x[:7]), got[:7])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16_kernel
+def test_bfloat16_target_on_the_bf16_kernel_matches_transformers(tiny_checkpoint, hf_model) -> None:
+    """bfloat16, quantization none, where augury's kernel builds: every target linear and the (tied)
+    output layer (float32 logits) on it; logits as close to transformers' float32 forward as the
+    F.linear path; a weight past float16's range is no concern (bfloat16 throughout)."""
+    folder = tiny_checkpoint("qwen2")  # tied output layer, q/k/v bias
+    model, cfg = load_target(folder, torch.bfloat16, CPU, 64)
+    panels = [m for m in model.modules() if isinstance(m, BF16PanelLinear)]
+    assert len(panels) == 4 * cfg.num_layers + 1 and model.lm_head.out_dtype == torch.float32
+    assert not any(isinstance(m, (torch.nn.Linear, HalfPackedLinear)) for m in model.modules())
+    import test_quant
+
+    prompt = test_quant.PROMPT
+    ref = hf_logits(hf_model(folder), prompt)
+    got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
+    plain = load_target(folder, torch.bfloat16, CPU, 64)[0]
+    for name, mod in list(plain.named_modules()):  # the same model on F.linear
+        if isinstance(mod, BF16PanelLinear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None).bfloat16()
+            lin.weight.data = mod.weight
+            if mod.bias is not None:
+                lin.bias.data = mod.bias
+            parent, _, attr = name.rpartition(".")
+            setattr(plain.get_submodule(parent) if parent else plain, attr, lin)
+    base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
+    err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
+    assert err <= 1.5 * base_err + 1e-3, (err, base_err)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

@@ -44,10 +44,11 @@ def _generate(llm, prompts, params, layers: bool):
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # qwen2: q|k|v biases
-def test_fused_stack_equals_the_layer_by_layer_forward(family, tiny_checkpoint, count_fused) -> None:
+@pytest.mark.parametrize("family,quantization", [("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
+                                                 ("llama", "none"), ("qwen2", "none")])  # qwen2: q|k|v biases
+def test_fused_stack_equals_the_layer_by_layer_forward(family, quantization, tiny_checkpoint, count_fused) -> None:
     folder = tiny_checkpoint(family)
-    llm = LLM(str(folder), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+    llm = LLM(str(folder), dtype="bfloat16", quantization=quantization, speculative_algorithm="none",
               log_stats_interval=0)
     prompts = random_prompts([5, 11, 3, 17], seed=3)  # different key counts in one decode batch
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=4) for n in (12, 7, 15, 9)]
@@ -79,13 +80,14 @@ def test_verification_through_the_fused_stack_equals_plain_decoding_through_the_
 
 
 @needs_kernels
-def test_the_layers_run_where_the_fused_stack_cannot(tiny_checkpoint, count_fused) -> None:
+def test_the_layers_run_where_the_fused_stack_cannot(tiny_checkpoint, count_fused, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "bf16", lambda: None)  # dense bfloat16 then takes fbgemm's GEMM
     prompt = random_prompts([6], seed=1)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     before = count_fused["fused"]
     for family, kwargs in (("qwen3", dict(dtype="bfloat16", quantization="int4")),  # q/k norms
                            ("llama", dict(dtype="float32", quantization="int4")),  # float32: the reference mode
-                           ("llama", dict(dtype="bfloat16", quantization="none"))):  # dense weights
+                           ("llama", dict(dtype="bfloat16", quantization="none"))):  # dense on fbgemm
         llm = LLM(str(tiny_checkpoint(family)), speculative_algorithm="none", log_stats_interval=0, **kwargs)
         assert len(llm.generate(prompt, params, use_tqdm=False)[0].token_ids) == 5
         assert llm.engine.model._fused is False, (family, kwargs)

@@ -13,6 +13,10 @@ torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 w8a8 (kernels/w8a8.cpp): int8 weights with a float32 scale per group of 32 (GGUF's Q8_0) against the
 same int8 activations, float32 out: a quantised target's output layer.
 
+bf16 (kernels/bf16.cpp): dense bfloat16 weights repacked in panels of 8 columns against float32
+activations, float32 sums in a fixed order (row-count invariant): a dense bfloat16 target on CPUs
+without native bfloat16 GEMMs.
+
 attention (kernels/attention.cpp): exact attention rows, each over its own slot list read in place
 from the paged KV cache, float32. elementwise (kernels/elementwise.cpp): RMSNorm of the float32
 residual stream, the rotary embedding and silu(gate) * up, float32, rounded once.
@@ -210,6 +214,55 @@ class W8A8:
         return y
 
 
+class BF16:
+    """The loaded dense bfloat16 kernel (kernels/bf16.cpp)."""
+
+    PANEL = 8
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._fn = _bind(self._lib, "augury_bf16_linear", [_P, _I32, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], _I32)
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] -> bfloat16 panels [ceil(N / 8), K, 8] (columns past N zero)."""
+        n, k = weight.shape
+        if k % 8:
+            raise ValueError(f"the bf16 kernel needs in_features % 8 == 0, got {k}")
+        p = -(-n // cls.PANEL)
+        w = torch.zeros(p * cls.PANEL, k, dtype=torch.bfloat16)
+        w[:n] = weight.detach().to(torch.bfloat16)
+        return w.view(p, cls.PANEL, k).transpose(1, 2).contiguous()
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """pack()'s inverse: [N, K] bfloat16."""
+        p, k, _ = packed.shape
+        return packed.transpose(1, 2).reshape(p * cls.PANEL, k)[:n].contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bfloat16 or float32 (CPU) -> [M, n] in out_dtype (bfloat16: rounded once, then
+        + the bfloat16 bias rounded again, as nn.Linear in bfloat16; float32: unrounded)."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the bf16 kernel wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        if k != packed.shape[1]:
+            raise ValueError(f"bf16 kernel: input has {k} features, the weights {packed.shape[1]}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
+            raise ValueError("bf16 kernel: the bias must be bfloat16 [out_features]")
+        y = torch.empty(m, n, dtype=out_dtype)
+        rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n,
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16),
+                      torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"bf16 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
+
+
 class Attention:
     """The loaded exact-rows attention kernel (kernels/attention.cpp)."""
 
@@ -329,6 +382,15 @@ def _w8a8_self_check(k: W8A8) -> None:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
+def _bf16_self_check(k: BF16) -> None:
+    """A small product against float64 (exact in float32: small integers)."""
+    w = torch.arange(-40, 40, dtype=torch.float32).view(10, 8) / 8  # exact in bfloat16
+    x = torch.arange(24, dtype=torch.float32).view(3, 8) - 12
+    got = k.linear(x, k.pack(w), 10, out_dtype=torch.float32)
+    if not torch.equal(got, (x.double() @ w.double().t()).float()) or not torch.equal(k.unpack(k.pack(w), 10).float(), w):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
 def _attention_self_check(k: Attention) -> None:
     """One row over two keys against the softmax written out."""
     q = torch.ones(1, 1, 8)
@@ -395,6 +457,11 @@ def w4a8() -> W4A8 | None:
 def w8a8() -> W8A8 | None:
     """The w8a8 kernel, built and loaded on first use; None (after one warning) where it cannot run."""
     return _load("w8a8", W8A8, _w8a8_self_check)  # type: ignore[return-value]
+
+
+def bf16() -> BF16 | None:
+    """The dense bfloat16 kernel, built and loaded on first use; None where it cannot run."""
+    return _load("bf16", BF16, _bf16_self_check)  # type: ignore[return-value]
 
 
 def attention() -> Attention | None:

@@ -6,7 +6,8 @@ kernels, a thread wake-up) as in the arithmetic itself. The fused kernel runs ev
 OpenMP region; this module decides when it may and hands it the addresses once.
 
 It runs when the model is a bfloat16 target whose four projections per layer are int4 linears on
-the w4a8 kernel (the demo's default), without q/k norms, on the CPU, and the step's attention is
+the w4a8 kernel (the demo's default) or dense bfloat16 linears on the bf16 kernel (models/dense.py:
+quantization="none" on CPUs without native bfloat16 GEMMs), without q/k norms, on the CPU, and the step's attention is
 exact rows on augury's attention kernel (decode steps and verified trees; prefill chunks take the
 masked path) over a bfloat16 cache, with no gradient wanted. Everywhere else the layer-by-layer
 forward runs. Both compute the same bits (tests/test_fused.py), so a step may take either.
@@ -25,14 +26,18 @@ def _addr(t: torch.Tensor | None) -> int:
 
 
 def _linear_fields(lin) -> list[int] | None:
-    """codes, scale, zero, bias addresses of a w4a8 int4 linear in bfloat16, else None."""
+    """The kernel's four fields for one projection: (codes, scale, zero, bias) of a w4a8 int4 linear
+    in bfloat16, (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel; else None."""
+    from augury.models.dense import BF16PanelLinear
     from augury.models.quant import Int4Linear
 
-    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16 \
-            or lin.dense is not None:
-        return None
     bias = lin.bias
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    if isinstance(lin, BF16PanelLinear) and lin.out_dtype == torch.bfloat16:
+        return [lin.panels.data_ptr(), 0, 0, _addr(bias)]
+    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16 \
+            or lin.dense is not None:
         return None
     return [lin.w4a8_codes.data_ptr(), lin.w4a8_scale.data_ptr(), lin.w4a8_zero.data_ptr(), _addr(bias)]
 
@@ -50,7 +55,7 @@ class FusedStack:
     def build(model) -> "FusedStack | None":
         """The plan for `model`, or None where the fused kernel cannot take it."""
         cfg = model.cfg
-        if cfg.qk_norm or model.embed_tokens.weight.device.type != "cpu" or model.quantization != "int4":
+        if cfg.qk_norm or model.embed_tokens.weight.device.type != "cpu" or model.quantization not in ("int4", "none"):
             return None
         rows, held = [], []  # held: the tensors whose addresses the table holds, kept alive with it
         for layer in model.layers:

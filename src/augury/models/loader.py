@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from augury.models.config import TargetConfig
-from augury.models.dense import half_gemm_available, pack_half_linears, packed_output_layer, row_padding
+from augury.models.dense import (bf16_panel_linears, half_gemm_available, pack_half_linears, packed_output_layer,
+                                 row_padding)
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
@@ -218,7 +219,9 @@ def load_target(
         from augury.models.quant import quantize_model
 
         quantize_model(model, mode, dtype)
-    if model.quantization == "none" and half_gemm_available(dtype, device) and (padding := row_padding()):
+    if model.quantization == "none" and bf16_panel_linears(model, dtype, device):
+        pass  # augury's dense bfloat16 kernel (models/dense.py), row-count invariant without padding
+    elif model.quantization == "none" and half_gemm_available(dtype, device) and (padding := row_padding()):
         # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
         pack_half_linears(model.layers, dtype, padding)
         out = packed_output_layer(model.embed_tokens if model.lm_head is None else model.lm_head, dtype, device)

@@ -1,5 +1,5 @@
 // augury's whole layer stack in one call (CPU, bfloat16 activations, int4 weights on the w4a8
-// kernel, exact attention rows): what models/llama.py runs layer by layer, operator by operator,
+// kernel or dense bfloat16 weights on the bf16 kernel, exact attention rows): what models/llama.py runs layer by layer, operator by operator,
 // done here inside ONE OpenMP parallel region, so a decode or verification step pays neither
 // Python's nor ATen's per-operator cost (~12 ms of a ~28 ms demo decode step measured before) nor a
 // thread wake-up per operator. Built at first use by models/cpu_kernels.py; models/fused.py
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "bf16.h"
 #include "elementwise.h"
 #include "w4a8.h"
 
@@ -29,7 +30,8 @@ using namespace augury::w4a8;
 
 namespace {
 
-// Fields of one layer's row in the pointer table (addresses; 0 for an absent bias)
+// Fields of one layer's row in the pointer table (addresses; 0 for an absent bias; a dense projection
+// has its packed weights in the _C field and 0 in _S and _Z)
 enum Field {
     LN1, QKV_C, QKV_S, QKV_Z, QKV_B, O_C, O_S, O_Z, O_B, LN2, GU_C, GU_S, GU_Z, GU_B, DN_C, DN_S, DN_Z, DN_B, NFIELD
 };
@@ -40,6 +42,22 @@ inline T *at(const int64_t *row, int f) {
 }
 
 inline int64_t padded_groups(int64_t K) { return (K / GROUP + CHUNK - 1) / CHUNK * CHUNK; }
+
+// One projection of the rows x [T, K] (bfloat16) whose fields start at f: int4 on the w4a8 kernel
+// (codes, scale, zero, bias), or dense bfloat16 panels (bf16.h) when the scale field is 0 (packed
+// weights, 0, 0, bias). Worksharing loops: every thread of the region calls it.
+template <class Store>
+inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Rounded &a, float *xf, int64_t N,
+                    Store store) {
+    const uint16_t *s = at<const uint16_t>(p, f + 1);
+    if (s) {
+        round_rows(x, true, T, a);
+        columns(a, T, at<const uint8_t>(p, f), s, at<const uint16_t>(p, f + 2), N, store);
+    } else {
+        augury::bf16::widen_rows(x, true, T, a.K, xf);
+        augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f), N, store);
+    }
+}
 
 }  // namespace
 
@@ -65,7 +83,7 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
     const int64_t Gmax = padded_groups(Kmax);
     // scratch: one block, carved up
     const size_t n16 = static_cast<size_t>(T) * static_cast<size_t>(H + NQKV + NQ + NQ + 2 * I + I);
-    const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) + static_cast<size_t>(T * Gmax) * 12 + 256;
+    const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) * 5 + static_cast<size_t>(T * Gmax) * 12 + 256;
     char *mem = static_cast<char *>(std::malloc(bytes));
     if (!mem) return 2;
     uint16_t *xn = reinterpret_cast<uint16_t *>(mem);  // a norm's output [T, H]
@@ -78,6 +96,7 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
     float *dx = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(xq + T * Kmax) + 63) & ~uintptr_t(63));
     float *xs = dx + T * Gmax;
     int32_t *xsum = reinterpret_cast<int32_t *>(xs + T * Gmax);
+    float *xf = reinterpret_cast<float *>(xsum + T * Gmax);  // dense projections' widened rows [T, Kmax]
     Rounded aH, aQ, aI;  // the rounded activations for K = H, nh * hd and I (one scratch, used in turn)
     for (Rounded *a : {&aH, &aQ, &aI}) {
         a->xq = xq;
@@ -110,9 +129,7 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN1), true, eps, xn + t * H, true);
-            round_rows(xn, true, T, aH);
-            columns(aH, T, at<const uint8_t>(p, QKV_C), at<const uint16_t>(p, QKV_S), at<const uint16_t>(p, QKV_Z),
-                    NQKV, [&](int64_t m, int64_t n, float v) {
+            project(p, QKV_C, xn, T, aH, xf, NQKV, [&](int64_t m, int64_t n, float v) {
                         qkv[m * NQKV + n] = f32_to_bf16(rounded(v, qkv_b, n));
                     });
 #pragma omp for schedule(static)
@@ -138,23 +155,17 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
                                         att, true, scores);
                 }
             }
-            round_rows(att, true, T, aQ);
-            columns(aQ, T, at<const uint8_t>(p, O_C), at<const uint16_t>(p, O_S), at<const uint16_t>(p, O_Z), H,
-                    [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); });
+            project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); });
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN2), true, eps, xn + t * H, true);
-            round_rows(xn, true, T, aH);
-            columns(aH, T, at<const uint8_t>(p, GU_C), at<const uint16_t>(p, GU_S), at<const uint16_t>(p, GU_Z),
-                    2 * I, [&](int64_t m, int64_t n, float v) {
+            project(p, GU_C, xn, T, aH, xf, 2 * I, [&](int64_t m, int64_t n, float v) {
                         gu[m * 2 * I + n] = f32_to_bf16(rounded(v, gu_b, n));
                     });
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, true, act + t * I);
-            round_rows(act, true, T, aI);
-            columns(aI, T, at<const uint8_t>(p, DN_C), at<const uint16_t>(p, DN_S), at<const uint16_t>(p, DN_Z), H,
-                    [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); });
+            project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); });
             for (int64_t a = 0; a < n_aux; a++) {
                 if (aux[a] != l) continue;
 #pragma omp for schedule(static)
