@@ -103,3 +103,21 @@ def test_moving_or_requantising_the_model_drops_the_fused_table(tiny_checkpoint,
     assert isinstance(model._fused, fused.FusedStack)
     model.to("cpu")  # any _apply: the table's addresses may be stale
     assert model._fused is None
+
+
+def test_a_failed_cpu_kernels_stage_warns_and_runs_torch(tiny_checkpoint, monkeypatch, caplog) -> None:
+    """The "CPU kernels" start-up stage is optional: when it fails, the engine warns once, comes up on
+    torch's kernels (none of augury's, not some) and still decodes."""
+    import logging
+
+    monkeypatch.setenv("AUGURY_FAULT_INJECT", "CPU kernels")
+    monkeypatch.setattr(cpu_kernels, "_cache", {})
+    with caplog.at_level(logging.WARNING, logger="augury.startup"):
+        llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4",
+                  speculative_algorithm="none", log_stats_interval=0)
+    assert any("CPU kernels" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    model = llm.engine.model
+    assert all(m.backend == "torch" for m in model.modules() if isinstance(m, quant.Int4Linear))
+    out = llm.generate(random_prompts([5]), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].token_ids) == 4 and model._fused is False

@@ -8,6 +8,7 @@ with a warning instead.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
                  notify: Callable[[str], None] | None = None, warmup: bool = True) -> Engine:
     """Build an engine for `config` from the folders `resolved` names (augury/resolve.py makes them
     from a model name). Without it, config.model and config.draft_model must be folders already."""
+    started = time.perf_counter()
     with stage("configuration", notify):
         if resolved is None:
             resolved = _as_folders(config)
@@ -60,9 +62,24 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         max_len = config.max_model_len or min(limits)
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    if device.type == "cpu":
+        # Optional stage: a kernel that cannot be built or loaded warns and torch's kernels run
+        # (models/cpu_kernels.py); built once per source and compiler into the user cache. If the
+        # stage itself fails, every kernel is turned off: the engine runs torch's, never half of each.
+        from augury.models import cpu_kernels
+
+        try:
+            with stage("CPU kernels", notify):
+                t0 = time.perf_counter()
+                ready = cpu_kernels.load_all()
+                log.info("CPU kernels in %.1f s: %s", time.perf_counter() - t0,
+                         ", ".join(f"{k} {'on' if v else 'off'}" for k, v in ready.items()))
+        except StartupError as exc:
+            log.warning("stage 'CPU kernels' failed (%s); torch's kernels run instead", exc.cause)
+            cpu_kernels.disable_all()
     with stage("target", notify):
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
         model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK, config.quantization)
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
@@ -100,6 +117,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
     if warmup:
         with stage("warm-up", notify):
             run_warmup(engine)
+    log.info("engine ready: start-up took %.1f s", time.perf_counter() - started)
     return engine
 
 

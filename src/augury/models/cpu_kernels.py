@@ -479,6 +479,20 @@ def forward() -> Forward | None:
     return _load("forward", Forward, _forward_self_check)  # type: ignore[return-value]
 
 
+def load_all() -> dict[str, bool]:
+    """Build (or find in the cache) and load every kernel now, as the engine's "CPU kernels" start-up
+    stage does, rather than at first use; name -> whether it runs here (each that cannot warned once)."""
+    return {name: fn() is not None for name, fn in (("w4a8", w4a8), ("w8a8", w8a8), ("bf16", bf16),
+                                                    ("attention", attention), ("elementwise", elementwise),
+                                                    ("forward", forward))}
+
+
+def disable_all() -> None:
+    """Every kernel off for this process (the start-up stage failed): torch's kernels run."""
+    for name in ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward"):
+        _cache[name] = None
+
+
 def reset() -> None:
     """Forget what the kernel loaders found (tests)."""
     _cache.clear()
