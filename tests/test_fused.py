@@ -121,3 +121,23 @@ def test_a_failed_cpu_kernels_stage_warns_and_runs_torch(tiny_checkpoint, monkey
     out = llm.generate(random_prompts([5]), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].token_ids) == 4 and model._fused is False
+
+
+@needs_kernels
+def test_decode_rows_read_the_keys_exact_rows_gives_them() -> None:
+    """prepare_decode's direct slot lists (augury's attention kernel) against the generic exact rows:
+    the same slot mapping, key counts and, up to each row's count, the same slots in the same order."""
+    from augury.attention.torch_paged import TorchPagedBackend
+
+    cache = torch.zeros(2, 64, 2, 16, dtype=torch.bfloat16)
+    backend = TorchPagedBackend(cache, cache.clone(), block_size=4)
+    tables = [[3, 7, 1], [9, 2], [5, 6, 8, 10, 11]]
+    ctx = [9, 4, 17]
+    fast = backend.prepare_decode(tables, ctx)
+    generic = backend._prepare(tables, ctx, [1, 1, 1], torch.full((3, 1), -1))
+    k_fast, k_gen = fast.fused_rows(), generic.fused_rows()
+    assert torch.equal(k_fast[2], k_gen[2])  # slot mapping
+    assert torch.equal(k_fast[4], k_gen[4])  # key counts
+    for r, n in enumerate(k_fast[4].tolist()):
+        assert torch.equal(k_fast[3][r, :n], k_gen[3][r, :n])
+    assert k_fast[3][1, :5].tolist() == [36, 37, 38, 39, 8]  # block 9's four slots, then block 2's first
