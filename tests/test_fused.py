@@ -141,3 +141,22 @@ def test_decode_rows_read_the_keys_exact_rows_gives_them() -> None:
     for r, n in enumerate(k_fast[4].tolist()):
         assert torch.equal(k_fast[3][r, :n], k_gen[3][r, :n])
     assert k_fast[3][1, :5].tolist() == [36, 37, 38, 39, 8]  # block 9's four slots, then block 2's first
+
+
+@needs_kernels
+def test_a_slot_outside_the_cache_is_refused(tiny_checkpoint) -> None:
+    """The kernel writes keys and values through raw addresses: a slot past the cache is an error,
+    not a write out of bounds."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+              log_stats_interval=0)
+    model, backend = llm.engine.model, llm.engine.attention
+    model._fused = fused.FusedStack.build(model)
+    attn = backend.prepare_decode([[1, 2]], [5])
+    k, v, mapping, slots, nkeys = attn.fused_rows()
+    cfg = model.cfg
+    h = torch.zeros(1, 1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, 1, 1, cfg.head_dim, dtype=torch.bfloat16)
+    for bad in ((mapping.clone().fill_(k.shape[1]), slots), (mapping, slots.clone().fill_(-1))):
+        attn._fused_rows = (k, v, *bad, nkeys)
+        with pytest.raises(RuntimeError, match="bad shapes"):
+            model._fused.run(h, cos, sin, attn, ())

@@ -45,9 +45,10 @@ def _linear_fields(lin) -> list[int] | None:
 class FusedStack:
     """A TargetModel's layer stack as the fused kernel's pointer table (built once; holds the model)."""
 
-    def __init__(self, model, kernel: cpu_kernels.Forward, table: torch.Tensor) -> None:
+    def __init__(self, model, kernel: cpu_kernels.Forward, table: torch.Tensor, held: list[torch.Tensor]) -> None:
         cfg = model.cfg
         self.model, self.kernel, self.table = model, kernel, table
+        self.held = held  # the tensors whose addresses the table holds, kept alive with it
         self.h, self.nh, self.nkv, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inter, self.layers, self.eps = cfg.intermediate_size, cfg.num_layers, float(cfg.rms_norm_eps)
 
@@ -57,7 +58,11 @@ class FusedStack:
         cfg = model.cfg
         if cfg.qk_norm or model.embed_tokens.weight.device.type != "cpu" or model.quantization not in ("int4", "none"):
             return None
-        rows, held = [], []  # held: the tensors whose addresses the table holds, kept alive with it
+        # the kernel's shape limits (kernels/forward.cpp): widths in whole groups of 32, heads of 8..512
+        if any(x % 32 for x in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)) \
+                or cfg.head_dim % 8 or cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
+            return None
+        rows, held = [], []
         for layer in model.layers:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
@@ -79,10 +84,9 @@ class FusedStack:
         kernel = cpu_kernels.forward()
         if kernel is None or kernel.nfields != FIELDS:
             return None
-        stack = FusedStack(model, kernel, torch.tensor(rows, dtype=torch.int64).contiguous())
-        stack.held = held + [lin.bias for layer in model.layers for lin in (layer.self_attn.qkv_proj,
-                             layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        return stack
+        held += [lin.bias for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return FusedStack(model, kernel, torch.tensor(rows, dtype=torch.int64).contiguous(), held)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, aux_layers: tuple[int, ...]
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -95,7 +99,7 @@ class FusedStack:
         if table is None or torch.is_grad_enabled() and h.requires_grad:
             return None
         k_cache, v_cache, slot_mapping, slots, nkeys = table
-        if k_cache.dtype != torch.bfloat16 or slot_mapping.shape[0] != b * q:
+        if k_cache.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or slot_mapping.shape[0] != b * q:
             return None
         h = h.contiguous()
         cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()

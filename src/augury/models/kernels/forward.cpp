@@ -66,7 +66,7 @@ extern "C" int augury_forward_nfields() { return NFIELD; }
 // h [T, H] float32, updated in place; layers [L, NFIELD] addresses; caches [L, S, nkv, hd] bfloat16
 // (layer l at k_cache + l * layer_stride elements); slot_mapping [T]: where row t's key and value go;
 // slots [T, W] / nkeys [T]: the cache slots row t attends to (the first nkeys[t]); cos / sin [T, hd]
-// bfloat16; aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H];
+// bfloat16 (a slot outside the cache is refused: return 1); aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H];
 // out [T, H] bfloat16: the final norm of h. Returns 0, 1 for bad shapes, 2 when out of memory.
 extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh, int64_t nkv, int64_t hd,
                                      int64_t I, int64_t L, float eps, const int64_t *layers, uint16_t *k_cache,
@@ -77,8 +77,12 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
     const int64_t NQ = nh * hd, NKV = nkv * hd, NQKV = NQ + 2 * NKV;
     if (T < 0 || H % GROUP || NQ % GROUP || I % GROUP || hd % 8 || hd > 512 || nkv < 1 || nh % nkv || W < 1)
         return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (nkeys[t] < 1 || nkeys[t] > W) return 1;
+    const int64_t S = layer_stride / NKV;  // cache slots per layer: every slot read or written must lie inside
+    for (int64_t t = 0; t < T; t++) {
+        if (nkeys[t] < 1 || nkeys[t] > W || slot_mapping[t] < 0 || slot_mapping[t] >= S) return 1;
+        for (int64_t j = 0; j < nkeys[t]; j++)
+            if (slots[t * W + j] < 0 || slots[t * W + j] >= S) return 1;
+    }
     const int64_t Kmax = H > I ? (H > NQ ? H : NQ) : (I > NQ ? I : NQ);
     const int64_t Gmax = padded_groups(Kmax);
     // scratch: one block, carved up
