@@ -29,6 +29,19 @@ def no_bf16_kernel(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "bf16", lambda: None)
 
 
+def _on_f_linear(model, cls):
+    """`model` with every `cls` module swapped for a bfloat16 nn.Linear of the same weights (F.linear)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, cls):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None).bfloat16()
+            lin.weight.data = mod.weight
+            if mod.bias is not None:
+                lin.bias.data = mod.bias.bfloat16()
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, lin)
+    return model
+
+
 def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).bfloat16()
@@ -90,15 +103,7 @@ def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_mode
     prompt = test_quant.PROMPT
     ref = hf_logits(hf_model(folder), prompt)
     got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
-    plain = load_target(folder, torch.bfloat16, CPU, 64)[0]
-    for name, mod in list(plain.named_modules()):  # the same model on F.linear
-        if isinstance(mod, HalfPackedLinear):
-            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None).bfloat16()
-            lin.weight.data = mod.weight
-            if mod.bias is not None:
-                lin.bias.data = mod.bias.bfloat16()
-            parent, _, attr = name.rpartition(".")
-            setattr(plain.get_submodule(parent) if parent else plain, attr, lin)
+    plain = _on_f_linear(load_target(folder, torch.bfloat16, CPU, 64)[0], HalfPackedLinear)
     base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
     err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
     assert err <= 1.5 * base_err + 1e-3, (err, base_err)
@@ -232,15 +237,7 @@ def test_bfloat16_target_on_the_bf16_kernel_matches_transformers(tiny_checkpoint
     prompt = test_quant.PROMPT
     ref = hf_logits(hf_model(folder), prompt)
     got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
-    plain = load_target(folder, torch.bfloat16, CPU, 64)[0]
-    for name, mod in list(plain.named_modules()):  # the same model on F.linear
-        if isinstance(mod, BF16PanelLinear):
-            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None).bfloat16()
-            lin.weight.data = mod.weight
-            if mod.bias is not None:
-                lin.bias.data = mod.bias
-            parent, _, attr = name.rpartition(".")
-            setattr(plain.get_submodule(parent) if parent else plain, attr, lin)
+    plain = _on_f_linear(load_target(folder, torch.bfloat16, CPU, 64)[0], BF16PanelLinear)
     base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
     err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
     assert err <= 1.5 * base_err + 1e-3, (err, base_err)

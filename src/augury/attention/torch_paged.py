@@ -232,6 +232,8 @@ class TorchStepAttention:
         """Exact rows on augury's attention kernel from their slot lists directly: row r reads the
         first nkeys[r] of slots [R, W] (int64) and writes its key and value to slot_mapping[r]."""
         att = cls(k_cache, v_cache, slot_mapping, None, ExactRows(slots.shape[0], ()), compute_dtype)
+        if att.kernel is None:
+            raise ValueError("kernel_rows needs augury's attention kernel for this cache")
         att.kernel_calls = [(slice(0, slots.shape[0]), slots, nkeys)]
         return att
 

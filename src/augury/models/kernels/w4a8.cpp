@@ -28,17 +28,8 @@ extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                                   void *y, int y_bf16, int nthreads) {
     const int64_t G = K / GROUP;
     if (K % GROUP || M < 0 || N < 0 || Gp % CHUNK || Gp < G || Gp >= G + CHUNK) return 1;
-    Rounded a;
-    a.K = K;
-    a.Gp = Gp;
-    a.xq = static_cast<int8_t *>(std::malloc(static_cast<size_t>(M * K + 1)));
-    a.dx = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
-    a.xs = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
-    a.xsum = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * static_cast<size_t>(M * Gp + 1)));
-    if (!a.xq || !a.dx || !a.xs || !a.xsum) {
-        std::free(a.xq); std::free(a.dx); std::free(a.xs); std::free(a.xsum);
-        return 2;
-    }
+    OwnedRounded a(M, K, Gp);
+    if (!a.ok()) return 2;
     if (nthreads < 1) nthreads = 1;
     auto store = [&](int64_t m, int64_t n, float v) {
         v += bias ? bias[n] : 0.0f;
@@ -53,6 +44,5 @@ extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
         if (M >= 16) round_rows(x, x_bf16 != 0, M, a);
         columns(a, M, codes, s, z, N, store);
     }
-    std::free(a.xq); std::free(a.dx); std::free(a.xs); std::free(a.xsum);
     return 0;
 }

@@ -140,6 +140,27 @@ struct Rounded {
     int64_t K = 0, Gp = 0;
 };
 
+// Rounded activations owning their memory for M rows of K (ok() false when out of memory)
+struct OwnedRounded : Rounded {
+    OwnedRounded(int64_t M, int64_t K_, int64_t Gp_) {
+        K = K_;
+        Gp = Gp_;
+        xq = static_cast<int8_t *>(std::malloc(static_cast<size_t>(M * K + 1)));
+        dx = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
+        xs = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
+        xsum = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * static_cast<size_t>(M * Gp + 1)));
+    }
+    ~OwnedRounded() {
+        std::free(xq);
+        std::free(dx);
+        std::free(xs);
+        std::free(xsum);
+    }
+    OwnedRounded(const OwnedRounded &) = delete;
+    OwnedRounded &operator=(const OwnedRounded &) = delete;
+    bool ok() const { return xq && dx && xs && xsum; }
+};
+
 // Worksharing constructs without their own parallel region: called from inside one (the threads
 // split the work and meet at the end) or from serial code (one thread does it all).
 inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a) {

@@ -52,17 +52,8 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                                   const float *s, int64_t N, int64_t Gp, float *y, int nthreads) {
     const int64_t G = K / GROUP;
     if (K % GROUP || M < 0 || N < 0 || Gp % CHUNK || Gp < G || Gp >= G + CHUNK) return 1;
-    Rounded a;
-    a.K = K;
-    a.Gp = Gp;
-    a.xq = static_cast<int8_t *>(std::malloc(static_cast<size_t>(M * K + 1)));
-    a.dx = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
-    a.xs = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
-    a.xsum = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * static_cast<size_t>(M * Gp + 1)));
-    if (!a.xq || !a.dx || !a.xs || !a.xsum) {
-        std::free(a.xq); std::free(a.dx); std::free(a.xs); std::free(a.xsum);
-        return 2;
-    }
+    OwnedRounded a(M, K, Gp);
+    if (!a.ok()) return 2;
     if (nthreads < 1) nthreads = 1;
     if (M < 16) round_rows(x, x_bf16 != 0, M, a);
 #pragma omp parallel num_threads(nthreads)
@@ -88,6 +79,5 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
             }
         }
     }
-    std::free(a.xq); std::free(a.dx); std::free(a.xs); std::free(a.xsum);
     return 0;
 }
