@@ -42,6 +42,21 @@ def _on_f_linear(model, cls):
     return model
 
 
+def _assert_as_close_as_f_linear(model, cfg, folder, hf_model, cls) -> None:
+    """model's logits (its linears on `cls`) as close to transformers' float32 forward as the same
+    checkpoint on F.linear, and mostly the same top-1."""
+    import test_quant
+
+    prompt = test_quant.PROMPT
+    ref = hf_logits(hf_model(folder), prompt)
+    got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
+    plain = _on_f_linear(load_target(folder, torch.bfloat16, CPU, 64)[0], cls)
+    base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
+    err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
+    assert err <= 1.5 * base_err + 1e-3, (err, base_err)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
 def _bf16(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).bfloat16()
@@ -98,16 +113,7 @@ def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_mode
     assert len(packed) == 2 * cfg.num_layers * 2 + 1  # qkv, o, gate_up, down per layer; lm_head
     assert all(m.padding is row_padding() for m in packed)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    import test_quant
-
-    prompt = test_quant.PROMPT
-    ref = hf_logits(hf_model(folder), prompt)
-    got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
-    plain = _on_f_linear(load_target(folder, torch.bfloat16, CPU, 64)[0], HalfPackedLinear)
-    base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
-    err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
-    assert err <= 1.5 * base_err + 1e-3, (err, base_err)
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    _assert_as_close_as_f_linear(model, cfg, folder, hf_model, HalfPackedLinear)
 
 
 @needs_fbgemm
@@ -232,13 +238,4 @@ def test_bfloat16_target_on_the_bf16_kernel_matches_transformers(tiny_checkpoint
     panels = [m for m in model.modules() if isinstance(m, BF16PanelLinear)]
     assert len(panels) == 4 * cfg.num_layers + 1 and model.lm_head.out_dtype == torch.float32
     assert not any(isinstance(m, (torch.nn.Linear, HalfPackedLinear)) for m in model.modules())
-    import test_quant
-
-    prompt = test_quant.PROMPT
-    ref = hf_logits(hf_model(folder), prompt)
-    got = test_quant._logits(model, cfg, prompt, torch.bfloat16)
-    plain = _on_f_linear(load_target(folder, torch.bfloat16, CPU, 64)[0], BF16PanelLinear)
-    base = test_quant._logits(plain, cfg, prompt, torch.bfloat16)
-    err, base_err = (got - ref).abs().mean().item(), (base - ref).abs().mean().item()
-    assert err <= 1.5 * base_err + 1e-3, (err, base_err)
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    _assert_as_close_as_f_linear(model, cfg, folder, hf_model, BF16PanelLinear)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from augury.models import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 HALF_MAX = 65504.0
@@ -160,13 +162,9 @@ class BF16PanelLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """[out, in] bfloat16, unpacked (a copy)."""
-        from augury.models import cpu_kernels
-
         return cpu_kernels.BF16.unpack(self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from augury.models import cpu_kernels
-
         kernel = cpu_kernels.bf16()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's bf16 kernel, which is unavailable now")
@@ -186,8 +184,6 @@ def bf16_panel_linears(model: nn.Module, dtype: torch.dtype, device: torch.devic
     """A dense bfloat16 target's layer linears and output layer on augury's bf16 kernel, where it
     serves (bfloat16 on a CPU without native bfloat16 GEMMs, the kernel built, widths % 8 == 0);
     True if it swapped them, False (nothing changed) otherwise."""
-    from augury.models import cpu_kernels
-
     if dtype != torch.bfloat16 or not half_gemm_available(dtype, device):
         return False
     linears = [(n, m) for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
