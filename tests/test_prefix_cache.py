@@ -2,7 +2,7 @@
 
 Greedy output must be the same with and without the cache (plain and speculative, prefixes
 ending mid-block), a hit must be taken where one exists, speculation must never write a
-shared block, the head must see the same features (same acceptance), and eviction,
+shared block, an EAGLE-3 head must read the head KV a hit was offered (else zeros), and eviction,
 preemption, aborts and many sharers must neither leak blocks nor serve a stale one.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ from conftest import assert_no_leaks
 from speculative_helpers import checkpoints
 
 BS = 16
-WINDOW = 128  # the EAGLE-3 catch-up window: a hit stops this many tokens short of the prompt's end
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +151,7 @@ def test_speculative_greedy_and_acceptance_same_with_and_without_cache(ckpts, al
     kw = dict(speculative_algorithm=algo, speculative_policy="static")
     if head is not None:
         kw.update(draft_model=str(head), speculative_ngram_branch=0)
-    # long enough that a hit remains once the head's catch-up window is left out; one ends mid-block
-    prompts = _shared(250, [3, 20, 41, 7], seed=3)
+    prompts = _shared(250, [3, 20, 41, 7], seed=3)  # one ends mid-block
     params = _greedy(len(prompts), max_tokens=24)
     plain = _llm(target, speculative_algorithm="none", enable_prefix_caching=False)
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
@@ -161,12 +159,11 @@ def test_speculative_greedy_and_acceptance_same_with_and_without_cache(ckpts, al
     llm = _llm(target, **kw)
     on = _one_by_one(llm, prompts, params)
     assert [o.token_ids for o in on] == [o.token_ids for o in off] == want
-    tail = WINDOW if algo == "eagle3" else 1
-    for p, o in zip(prompts[1:], on[1:]):
-        assert o.num_cached_tokens == min(250 // BS * BS, (len(p) - tail) // BS * BS) > 0
-    # the head saw the same features, so it drafted the same trees: the same acceptance
-    assert [o.spec_stats for o in on] == [o.spec_stats for o in off]
+    for p, o in zip(prompts[1:], on[1:]):  # a hit stops short of the last token only, head or not
+        assert o.num_cached_tokens == min(250 // BS * BS, (len(p) - 1) // BS * BS) > 0
     assert all(o.spec_stats.num_verify_steps > 0 for o in on)
+    if algo == "ngram":  # drafts from the tokens alone: the same trees, the same acceptance
+        assert [o.spec_stats for o in on] == [o.spec_stats for o in off]
     assert_no_leaks(llm.engine)
 
 
@@ -184,28 +181,96 @@ def _recording(llm: LLM) -> list[list[list[int]]]:
     return seen
 
 
-def test_eagle3_head_drafts_the_same_trees_after_a_cache_hit(ckpts):
-    """A random head's drafts depend on everything it attends to. A second turn hits the first
-    turn's blocks, whose head slots still hold the first request's real head KV; the hit request
-    must read zeros there (as without the cache, where the catch-up window dropped them), so it
-    drafts exactly the trees it drafts without the cache."""
+def _head_reads(llm: LLM, upto: int) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """From now on, per request id at each drafting step: the head table over the request's cache hit
+    and the head keys it reads at positions 0..upto-1 once caught up."""
+    proposer, seen = llm.engine.speculator.proposer, {}
+    propose = proposer.propose
+
+    def wrapped(host, reqs, shape):
+        tree = propose(host, reqs, shape)
+        for r in reqs:
+            table = proposer.head_table(r)
+            slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(upto)])
+            seen.setdefault(r.request_id, []).append((table[: r.num_cached_blocks], proposer.cache.k[0, slots].clone()))
+        return tree
+
+    proposer.propose = wrapped
+    return seen
+
+
+def test_eagle3_head_reads_the_head_kv_a_cache_hit_was_offered(ckpts):
+    """A second turn hits the first turn's blocks, whose head KV the first request's head wrote and
+    offered under their prefix: the hit request reads it there rather than zeros, and it is the
+    head KV the request computes itself without the cache (the conversation fits the catch-up
+    window, so without the cache its head covers every position)."""
     kw = dict(draft_model=str(ckpts["head"]), speculative_algorithm="eagle3", speculative_policy="static",
               speculative_ngram_branch=0)
-    first = _tokens(300, seed=11)
+    first = _tokens(40, seed=11)
     runs = {}
     for caching in (False, True):
         llm = _llm(ckpts["target"], enable_prefix_caching=caching, **kw)
         turn1 = llm.generate([first], _greedy(1, 60), use_tqdm=False)[0]
-        second = first + turn1.token_ids + _tokens(12, seed=12)
-        trees = _recording(llm)
+        # diverges past the hit (the head KV of a block's last position reads the token after it)
+        second = first + turn1.token_ids[:44] + _tokens(12, seed=12)
+        reads = _head_reads(llm, 80)
         turn2 = llm.generate([second], _greedy(1, 20), use_tqdm=False)[0]
-        runs[caching] = (turn1.token_ids, turn2, trees)
+        runs[caching] = (turn1.token_ids, turn2, next(iter(reads.values())))
         assert_no_leaks(llm.engine)
-    (t1_off, off, trees_off), (t1_on, on, trees_on) = runs[False], runs[True]
+    (t1_off, off, reads_off), (t1_on, on, reads_on) = runs[False], runs[True]
     assert t1_on == t1_off and on.token_ids == off.token_ids
-    assert on.num_cached_tokens == (300 + 60 + 12 - WINDOW) // BS * BS and off.num_cached_tokens == 0
-    assert trees_on and trees_on == trees_off
-    assert on.spec_stats == off.spec_stats
+    assert on.num_cached_tokens == 80 and off.num_cached_tokens == 0
+    zero = llm.engine.speculator.proposer.zero_block
+    assert reads_on and all(len(t) == 5 and zero not in t for t, _ in reads_on)
+    k_off, k_on = reads_off[0][1], reads_on[0][1]
+    assert k_on.abs().amin(dim=(1, 2)).gt(0).all()  # real keys at every position, not zeros
+    torch.testing.assert_close(k_on, k_off, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_hit_on_blocks_no_head_covered_reads_zeros(ckpts):
+    """Blocks whose first request never drafted (max_draft_tokens=0: its head never caught up) hold no
+    head KV: a request that hits them reads the zero block there, and its output stays exact."""
+    kw = dict(draft_model=str(ckpts["head"]), speculative_algorithm="eagle3", speculative_policy="static")
+    prompts = _shared(70, [9, 13], seed=21)
+    want = [o.token_ids for o in _llm(ckpts["target"], speculative_algorithm="none",
+                                      enable_prefix_caching=False).generate(prompts, _greedy(2, 16), use_tqdm=False)]
+    llm = _llm(ckpts["target"], **kw)
+    quiet = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, max_draft_tokens=0)
+    first = llm.generate([prompts[0]], quiet, use_tqdm=False)[0]
+    assert first.spec_stats.num_verify_steps == 0 and not llm.engine.speculator.proposer.offered
+    reads = _head_reads(llm, 64)
+    second = llm.generate([prompts[1]], _greedy(1, 16), use_tqdm=False)[0]
+    assert [first.token_ids, second.token_ids] == want
+    assert second.num_cached_tokens == 64 and second.spec_stats.num_verify_steps > 0
+    zero = llm.engine.speculator.proposer.zero_block
+    assert all(t == [zero] * 4 and not k.any() for t, k in next(iter(reads.values())))
+    assert_no_leaks(llm.engine)
+
+
+def test_eagle3_offers_follow_a_block_to_its_new_tokens(ckpts):
+    """The head KV of a block is offered under the prefix (and next token) whose head KV it holds:
+    evicted and handed to a request with other tokens, the block's offer is withdrawn before that
+    request's head writes it, and once covered it is offered under the new prefix."""
+    kw = dict(draft_model=str(ckpts["head"]), speculative_algorithm="eagle3", speculative_policy="static")
+    llm = _llm(ckpts["target"], num_kv_blocks=24, **kw)
+    eng, proposer = llm.engine, llm.engine.speculator.proposer
+    reoffered = 0
+    for seed in range(4):  # each prompt evicts the last one's blocks
+        before = dict(proposer.offered)
+        rid = eng.add_request(_tokens(150, seed=40 + seed), _greedy(1, 40)[0])
+        while eng.has_unfinished_requests():
+            eng.step()
+            for r in eng.scheduler.running:
+                covered = r.draft_len // BS
+                keys, ids = r.prefix_keys(covered, BS), r.all_token_ids
+                assert r.draft_blocks_offered == covered
+                for i in range(r.num_cached_blocks, covered):
+                    b = r.block_table[i]
+                    assert proposer.offered[b] == (keys[i], ids[(i + 1) * BS])
+                    reoffered += before.get(b, proposer.offered[b]) != proposer.offered[b]
+        assert eng.stats.num_verify_steps > 0 and rid not in eng.requests
+    assert reoffered > 0 and eng.allocator.num_evicted > 0
+    assert_no_leaks(eng)
 
 
 def test_speculation_never_writes_a_shared_block(ckpts):

@@ -80,9 +80,7 @@ class Engine:
         self.dtype = kv.k.dtype
         self.attention = attention
         self.speculator = speculator
-        # a prefix-cache hit stops short of the head's catch-up window, so the head sees the same features
-        tail = speculator.catch_up_window if speculator is not None and speculator.needs_aux else 1
-        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens, tail)
+        self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from augury.engine.kv_cache import block_key
 from augury.outputs import SpecStats
 from augury.sampling_params import SamplingParams
 
@@ -30,7 +31,9 @@ class Request:
     draft_skip ones when more than a window piled up.
 
     A prefix-cache hit at admission starts num_computed (and draft_len) at the hit: the head
-    reads zeros at those positions, as it would after the catch-up window dropped them.
+    reads, at those positions, the head KV whoever computed the blocks wrote there if they
+    offered it (speculative.eagle3.Eagle3Proposer.head_table), else zeros, as after the
+    catch-up window dropped them.
 
     Who writes what: the engine appends output tokens (`commit`) and advances num_computed
     (`advance`); the scheduler owns status, block_table and the prefix-cache fields (and
@@ -65,6 +68,7 @@ class Request:
         self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len + draft_skip..
         self.num_pending = 0  # rows held in pending_aux
         self.draft_skip = 0  # oldest pending positions dropped (beyond the window): the head never sees them
+        self.draft_blocks_offered = 0  # leading full blocks whose head KV the proposer has offered to others
         self.num_emitted = 0  # output tokens already reported to the caller
         self.num_emitted_chars = 0  # output text already reported to the caller
         self.text_frozen = False  # a stop string ended the text
@@ -118,13 +122,22 @@ class Request:
         self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
         return skip, feats
 
+    def prefix_keys(self, n: int, block_size: int) -> list[bytes]:
+        """The prefix-cache keys of this request's first n full blocks (n * block_size <= num_tokens),
+        computed once and kept (they depend on the tokens alone)."""
+        keys, ids = self.block_keys, self.all_token_ids
+        while len(keys) < n:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else None, ids[i * block_size : (i + 1) * block_size]))
+        return keys
+
     def start_from_cache(self, table: list[int], cached: int, block_size: int) -> None:
         """Admitted with block table `table`, whose first `cached` blocks came from the prefix cache:
         their KV is this request's first cached * block_size positions, computed by another request."""
         n = cached * block_size
         self.block_table = table
         self.num_computed = self.draft_len = self.num_cached_tokens = n
-        self.num_cached_blocks = self.num_registered = cached
+        self.num_cached_blocks = self.num_registered = self.draft_blocks_offered = cached
 
     def reset_for_recompute(self) -> None:
         """Preempted: the cache is gone; recompute everything (outputs are kept)."""
@@ -136,4 +149,5 @@ class Request:
         self.pending_aux = []
         self.num_pending = 0
         self.draft_skip = 0
+        self.draft_blocks_offered = 0
         self.status = Status.WAITING

@@ -8,17 +8,17 @@ from its prompt plus what it had generated. Nothing is ever dropped.
 Prefix caching (engine/kv_cache.py keeps the blocks): a request's full blocks are offered to
 the cache as soon as all their tokens' KV is committed, and when it leaves (finished, aborted
 or preempted). A waiting request is admitted with the longest run of its leading full blocks
-found there, up to `keep_tail` tokens short of its end: at least one token is always computed
-(its logits give the next one), and with an EAGLE-3 head its catch-up window is computed too,
-so the head sees the same target features as without the cache. A request asking for prompt
-log-probabilities computes its whole prompt.
+found there, short of its last token: at least one token is always computed (its logits give
+the next one). An EAGLE-3 head reads the head KV of those blocks where whoever computed them
+offered it (speculative/eagle3.py). A request asking for prompt log-probabilities computes its
+whole prompt.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from augury.engine.kv_cache import BlockAllocator, block_key
+from augury.engine.kv_cache import BlockAllocator
 from augury.engine.request import Request, Status
 
 
@@ -30,10 +30,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 keep_tail: int = 1) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.allocator = allocator
-        self.keep_tail = max(1, keep_tail)  # tokens at the end of a prefill a cache hit never covers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -161,23 +159,15 @@ class Scheduler:
         """Of the tokens admitted requests had to prefill, the fraction the prefix cache served."""
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
-    def _keys(self, req: Request, n: int) -> list[bytes]:
-        """Keys of req's first n full blocks (n * block_size <= num_tokens)."""
-        keys, bs, ids = req.block_keys, self.allocator.block_size, req.all_token_ids
-        while len(keys) < n:
-            i = len(keys)
-            keys.append(block_key(keys[-1] if keys else None, ids[i * bs : (i + 1) * bs]))
-        return keys
-
     def _match(self, req: Request) -> list[int]:
         """The cached blocks holding req's longest cached prefix (no references taken)."""
         if not self.allocator.enable_caching or req.params.prompt_logprobs is not None:
             return []
         bs = self.allocator.block_size
-        n = max(0, req.num_tokens - self.keep_tail) // bs
+        n = (req.num_tokens - 1) // bs  # the last token is always computed
         ids = req.all_token_ids
         hit = []
-        for i, key in enumerate(self._keys(req, n)):
+        for i, key in enumerate(req.prefix_keys(n, bs)):
             b = self.allocator.lookup(key, ids[i * bs : (i + 1) * bs])
             if b is None:
                 break
@@ -193,7 +183,7 @@ class Scheduler:
         full = min(req.num_computed, req.num_tokens, len(req.block_table) * bs) // bs
         if full <= req.num_registered:
             return
-        keys, ids = self._keys(req, full), req.all_token_ids
+        keys, ids = req.prefix_keys(full, bs), req.all_token_ids
         for i in range(req.num_registered, full):
             self.allocator.register(req.block_table[i], keys[i], ids[i * bs : (i + 1) * bs])
         req.num_registered = full

@@ -1,8 +1,9 @@
 """EAGLE-3 drafting: catch the head up on target features, then grow an EAGLE-2 tree.
 
 Draft position p pairs the target's hidden state h_p with token p+1. The head's KV cache
-shares the target's block tables (but for prefix-cache hits, see Eagle3Proposer.head_table); tree expansion never writes it (tree keys live in
-scratch tensors), so rejected branches cannot leave anything behind.
+shares the target's block tables, prefix-cache hits included (see Eagle3Proposer.head_table);
+tree expansion never writes it (tree keys live in scratch tensors), so rejected branches cannot
+leave anything behind.
 """
 from __future__ import annotations
 
@@ -40,14 +41,44 @@ class Eagle3Proposer:
         # of zeros that stands for the blocks a request took from the prefix cache (see head_table)
         self.cache = KVCache(1, num_blocks + 1, block_size, head.nkv, head.hd, self.dtype, self.device)
         self.zero_block = num_blocks
+        self.block_size = block_size
+        # block -> (prefix-cache key of the full block whose head KV it holds, complete, and the token
+        # after it: the head's input at the block's last position): offered by the request that wrote
+        # it, for requests that take the block from the prefix cache
+        self.offered: dict[int, tuple[bytes, int]] = {}
 
     def head_table(self, r: Request) -> list[int]:
-        """Where the head's KV of r lives: the target's block table, except that the blocks r took from
-        the prefix cache read the zero block. Their target KV was computed by another request, which
-        may still own (and write) the head's slots of those blocks; r never computed features there,
-        and it starts its head past them (draft_len), as after the catch-up window dropped them."""
+        """Where the head's KV of r lives: the target's block table. r's blocks from the prefix cache
+        (computed by another request; r starts its head past them, draft_len) are read as they are
+        where their head KV was offered for r's own prefix and next token (see offer), else as the zero
+        block, as if the catch-up window had dropped those positions."""
         n = r.num_cached_blocks
-        return [self.zero_block] * n + r.block_table[n:] if n else r.block_table
+        if not n:
+            return r.block_table
+        table, keys, ids, offered, bs = r.block_table, r.block_keys, r.all_token_ids, self.offered, self.block_size
+        return [b if offered.get(b) == (keys[i], ids[(i + 1) * bs]) else self.zero_block
+                for i, b in enumerate(table[:n])] + table[n:]
+
+    def _withdraw(self, r: Request, end: int) -> None:
+        """r's head is about to write positions draft_len .. end-1: blocks there hold no offer (a block
+        offered under one prefix may come back to a request holding other tokens)."""
+        bs = self.block_size
+        for i in range(r.draft_len // bs, -(-end // bs)):
+            self.offered.pop(r.block_table[i], None)
+
+    def offer(self, r: Request) -> None:
+        """Offer the head KV of r's full blocks the head has now covered, keyed by r's prefix and the
+        token after the block (the head's KV at position p reads token p+1): a request that takes one
+        of them from the prefix cache with the same next token reads it (head_table) instead of zeros.
+        Only r's own blocks (past its cache hit); the head never writes a block below draft_len again."""
+        bs = self.block_size
+        full = r.draft_len // bs
+        if full <= r.draft_blocks_offered:
+            return
+        keys, ids = r.prefix_keys(full, bs), r.all_token_ids
+        for i in range(r.draft_blocks_offered, full):
+            self.offered[r.block_table[i]] = (keys[i], ids[(i + 1) * bs])
+        r.draft_blocks_offered = full
 
     # ------------------------------------------------------------------ catch-up
     def catch_up(self, host: TargetHost, reqs: list[Request]) -> torch.Tensor:
@@ -56,6 +87,7 @@ class Eagle3Proposer:
         head, cache, bs = self.head, self.cache, host.block_size
         feats, skipped = [], []
         for r in reqs:
+            self._withdraw(r, r.num_computed)
             skip, f = r.take_pending()
             if skip:  # positions dropped past the window: the head attends to zeros there
                 table = self.head_table(r)
@@ -74,6 +106,8 @@ class Eagle3Proposer:
         while True:
             rows = [i for i, f in enumerate(feats) if done[i] < f.shape[0]]
             if not rows:
+                for r in reqs:
+                    self.offer(r)
                 return last
             sub = [reqs[i] for i in rows]
             q_lens = [min(EXTEND_CHUNK, feats[i].shape[0] - done[i]) for i in rows]

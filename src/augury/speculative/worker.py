@@ -58,16 +58,18 @@ class Speculator:
         policy: from the request's own acceptance; SamplingParams.max_draft_tokens caps it in any
         case). Budget 0 keeps a request out of drafting (its row in the verification is its root
         alone, which is exactly a decode step), n keeps its first n draft nodes (see
-        tree.cap_trees). A batch where no request may draft decodes plainly without asking the
+        tree.cap_trees). A request whose head has no target feature to start from (admitted with all
+        but its last token from the prefix cache, which its first decode step computes) does not
+        draft this step. A batch where no request may draft decodes plainly without asking the
         policy; one where the plan lets none draft decodes plainly too."""
-        if all(r.params.max_draft_tokens == 0 for r in reqs):
+        if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
             caps: list[int | None] = [0] * len(reqs)
             shape = None
         else:
             plan = self.policy.plan(reqs)
             shape = plan.shape
             # a request's own cap holds whatever the policy says
-            caps = [_tighter(c, r.params.max_draft_tokens) for c, r in zip(plan.caps, reqs)]
+            caps = [_tighter(c, r.params.max_draft_tokens) if self._ready(r) else 0 for c, r in zip(plan.caps, reqs)]
         drafting = [i for i, c in enumerate(caps) if c != 0] if shape is not None else []
         if not drafting:
             shape = None
@@ -92,6 +94,10 @@ class Speculator:
                             reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
         host.stats.steps_spec += 1
         return True
+
+    def _ready(self, r: Request) -> bool:
+        """r can draft now: a proposer reading target features has one it has not seen."""
+        return not self.needs_aux or r.num_computed > r.draft_len
 
     def verify_and_commit(self, host: TargetHost, reqs: list[Request],
                           tree: DraftTree) -> tuple[list[int], list[int], list[int]]:
