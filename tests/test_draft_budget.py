@@ -173,6 +173,33 @@ def test_all_budgets_zero_decodes_plainly(ckpts):
     assert llm.engine.stats.steps_spec == 0 and llm.engine.stats.num_verify_steps == 0
 
 
+def test_opted_out_requests_alone_collect_no_target_features(ckpts):
+    """A forward whose requests all set max_draft_tokens=0 does not collect the head's features (they
+    never draft); one that also runs a request that may draft collects them for every row."""
+    llm = _eagle3(ckpts["target"], ckpts["head"])
+    eng, model = llm.engine, llm.engine.model
+    asked = []
+    forward = model.forward
+
+    def spy(ids, positions, attn, layers=()):
+        asked.append((ids.shape[0], tuple(layers)))
+        return forward(ids, positions, attn, layers)
+
+    model.forward = spy
+    quiet = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, max_draft_tokens=0)
+    rid = eng.add_request(_prompts(1, seed=4)[0], quiet)
+    for _ in range(4):
+        eng.step()
+    assert asked and all(layers == () for _, layers in asked)
+    assert eng.requests[rid].num_pending == 0
+    asked.clear()
+    eng.add_request(_prompts(1, seed=5)[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert asked and all(layers for _, layers in asked)
+    assert eng.stats.num_verify_steps > 0
+
+
 def test_sampled_rows_with_budgets_stay_reproducible(ckpts):
     llm = _eagle3(ckpts["target"], ckpts["head"])
     params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True, max_draft_tokens=c)

@@ -244,8 +244,11 @@ class Engine:
 
         return run
 
-    def _wants_aux(self) -> bool:
-        return self.speculator is not None and self.speculator.needs_aux
+    def _wants_aux(self, reqs: list[Request]) -> bool:
+        """Whether this forward collects the target features a proposer reads: not when every request
+        in it opted out of speculation (max_draft_tokens=0), which then never drafts."""
+        return (self.speculator is not None and self.speculator.needs_aux
+                and any(r.params.max_draft_tokens != 0 for r in reqs))
 
     def _run_prefill(self, batch: ScheduledBatch) -> list[Request]:
         reqs = batch.requests
@@ -254,7 +257,7 @@ class Engine:
         attn = self.attention.prepare_prefill([r.block_table for r in reqs], ctx, [len(r) for r in rows])
         q = max(len(r) for r in rows)
         positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
-        hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux())
+        hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux(reqs))
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
         for i, (r, row, c) in enumerate(zip(reqs, rows, ctx)):
             if r.params.prompt_logprobs is not None:
@@ -300,7 +303,7 @@ class Engine:
         ctx = [r.num_computed for r in reqs]
         attn = self.attention.prepare_decode([r.block_table for r in reqs], ctx)
         hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
-                                      self._wants_aux())
+                                      self._wants_aux(reqs))
         logits = self.model.logits(hidden[:, 0])  # [B, V]
         toks = sample(logits, reqs)
         lps = self._logprobs(logits, reqs, toks)
