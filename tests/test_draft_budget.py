@@ -60,8 +60,7 @@ def test_padding_nodes_are_never_accepted_greedy_or_sampled():
     probs = torch.zeros(2, 3, v)
     probs[:, :, 3] = 1.0
     for seed in range(5):
-        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)]
-        out = verify_sampling(tree, probs, gens)
+        out = verify_sampling(tree, probs, torch.rand(2, 2, generator=torch.Generator().manual_seed(seed)).tolist())
         assert out.accepted_nodes[0] == [0] and out.accepted_nodes[1] == [0, 2]
     # a root-only row verifies exactly as a decode step: its bonus is the argmax at the root
     one = DraftTree(tokens=tree.tokens, parents=tree.parents, depth=tree.depth, sizes=[1, 1])

@@ -297,18 +297,20 @@ def test_folder_without_tokenizer(tiny_checkpoint, make_llm) -> None:
 
 
 def test_sampler_draw_follows_the_distribution() -> None:
-    """The plain sampler's inverse-CDF draw: frequencies within 5 sigma of the probabilities over
-    40000 draws, never a zero-probability token, and a seeded generator gives the same draws."""
-    from augury.engine.sampler import draw
+    """The inverse-CDF draw both the plain sampler and verification use: frequencies within 5 sigma
+    of the probabilities over 40000 uniforms, never a zero-probability token, a function of the row
+    and its uniform alone (the same token whatever shares the call), and a uniform rounding up to
+    the total takes the last token with mass."""
+    from augury.sampling import draw_rows
 
     probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.125, 0.0])
-    g = torch.Generator().manual_seed(3)
     n = 40000
-    draws = [draw(probs, g) for _ in range(n)]
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).tolist()
+    draws = draw_rows(probs.expand(n, -1), u)
     counts = torch.bincount(torch.tensor(draws), minlength=len(probs)).double()
     assert counts[probs == 0].sum() == 0
     sigma = (n * probs.double() * (1 - probs.double())).sqrt()
     assert ((counts - n * probs.double()).abs() <= 5 * sigma + 1e-9).all(), counts
-    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-    assert [draw(probs, g1) for _ in range(50)] == [draw(probs, g2) for _ in range(50)]
-    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    assert [draw_rows(probs[None], [x])[0] for x in u[:50]] == draws[:50]
+    assert draw_rows(torch.tensor([[0.0, 0.0, 1.0]]), [0.3]) == [2]
+    assert draw_rows(torch.tensor([[0.2, 0.8, 0.0]]), [1.0]) == [1]

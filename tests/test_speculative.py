@@ -134,22 +134,38 @@ def test_preemption_under_speculation(ckpts, plain):
 
 
 def test_mixed_sampling_batch_keeps_greedy_rows_exact(ckpts, plain):
+    """Greedy rows are plain greedy decoding; seeded sampled rows are plain seeded sampling, token for
+    token (each output position is drawn at its own uniform, whatever the trees), also on a second
+    run whose prompts hit the prefix cache."""
     prompts = _prompts(6, seed=9)
-    greedy = _greedy([15] * 6)
-    want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    mixed = [g if i % 2 == 0 else SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
-             for i, g in enumerate(greedy)]
+    mixed = [SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+             SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True) for i in range(6)]
+    want = [o.token_ids for o in plain.generate(prompts, mixed, use_tqdm=False)]
     llm = _static_eagle3(ckpts["target"], ckpts["head"], (3, 2, 6))
-    outs = llm.generate(prompts, mixed, use_tqdm=False)
-    for i, o in enumerate(outs):
-        if i % 2 == 0:
-            assert o.token_ids == want[i]
-        assert len(o.token_ids) == 15
-    # seeded rows reproduce from the same engine state (a prefix-cache hit changes what the head
-    # attends to, so its trees, and the verifier draws one uniform per tree node)
-    llm.engine.reset_prefix_cache()
-    again = llm.generate(prompts, mixed, use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    for _ in range(2):
+        outs = llm.generate(prompts, mixed, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want and all(len(t) == 15 for t in want)
+    _assert_no_leak(llm)
+
+
+def test_seeded_sampling_with_speculation_is_plain_seeded_sampling(ckpts):
+    """A head that drafts well (a bigram target): at temperature 0.8 drafts are accepted (~0.3 a step), and the
+    tokens are still exactly those plain sampling draws with the same seeds, alone or in a batch,
+    with or without prefix-cache hits; unseeded requests sample too (different draws)."""
+    prompts = _prompts(5, seed=13)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=[None, 20][i % 2], top_p=[1.0, 0.9][i % 2],
+                             seed=100 + i, ignore_eos=True) for i in range(5)]
+    plain_llm = LLM(str(ckpts["bigram"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    want = [o.token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    llm = _static_eagle3(ckpts["bigram"], ckpts["bigram_head"], (4, 1, 5))
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in alone] == want
+    accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in batch + alone)
+    assert accepted > 0.2 * sum(o.spec_stats.num_verify_steps for o in batch + alone)
+    free = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
+    a, b = (llm.generate(prompts[:1], free, use_tqdm=False)[0].token_ids for _ in range(2))
+    assert a != b and len(a) == len(b) == 24
     _assert_no_leak(llm)
 
 

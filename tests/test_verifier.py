@@ -202,30 +202,19 @@ def test_sampling_is_lossless_with_repeated_sibling_tokens() -> None:
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 
-def _biased_accept_double(child_p, child_tokens, uniforms, total):  # accepts with min(1, 2p)
-    left, rejected = total, []
-    for j, (p, tok) in enumerate(zip(child_p, child_tokens)):
-        if uniforms[j] * left < 2 * p:
-            return j, rejected
-        left -= p
-        rejected.append(tok)
-    return -1, rejected
+_exact_draw = verifier.draw_rows
 
 
-def _biased_no_sibling_renorm(child_p, child_tokens, uniforms, total):  # tries each sibling with p, not p / left
-    rejected = []
-    for j, (p, tok) in enumerate(zip(child_p, child_tokens)):
-        if uniforms[j] < p:
-            return j, rejected
-        rejected.append(tok)
-    return -1, rejected
+def _biased_draw_squared(probs, uniforms):  # the uniform squared: low CDF mass drawn too often
+    return _exact_draw(probs, [u * u for u in uniforms])
 
 
-_exact_residual = verifier._sample_residual
+def _biased_one_uniform_per_step(uniforms, row, level):  # every position of a step at one uniform
+    return uniforms[row][0]
 
 
-def _biased_residual_not_zeroed(rows, rejected, uniforms):  # bonus from p instead of the residual
-    return _exact_residual(rows, [[] for _ in rejected], uniforms)
+def _biased_accept_first_child(kid_toks, drawn):  # takes the first child whenever the draw is among the children
+    return [0 if t in kt else -1 for kt, t in zip(kid_toks, drawn)]
 
 
 _exact_filters = verifier.apply_sampling_filters
@@ -236,9 +225,9 @@ def _biased_no_temperature(logits, temperature, top_k=None, top_p=1.0):  # tempe
 
 
 @pytest.mark.parametrize("name,patch", [
-    ("_try_children", _biased_accept_double),
-    ("_try_children", _biased_no_sibling_renorm),
-    ("_sample_residual", _biased_residual_not_zeroed),
+    ("draw_rows", _biased_draw_squared),
+    ("_uniform_at", _biased_one_uniform_per_step),
+    ("_match", _biased_accept_first_child),
     ("apply_sampling_filters", _biased_no_temperature),
 ])
 def test_biased_verifiers_fail_the_test(monkeypatch: pytest.MonkeyPatch, name: str, patch: Callable) -> None:
@@ -249,8 +238,9 @@ def test_biased_verifiers_fail_the_test(monkeypatch: pytest.MonkeyPatch, name: s
 
 # ------------------------------------------------------------------------ sampling, determinism
 
-def _gens(seeds: list[int]) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
+def _gens(seeds: list[int], levels: int = 6) -> list[list[float]]:
+    """Per request, the uniforms of its next `levels` positions from a seeded stream."""
+    return [torch.rand(levels, dtype=torch.float64, generator=torch.Generator().manual_seed(s)).tolist() for s in seeds]
 
 
 def test_sampling_seeded_and_independent_of_batch() -> None:
@@ -262,6 +252,29 @@ def test_sampling_seeded_and_independent_of_batch() -> None:
     for b in range(5):  # the same request alone, with the same seed, gets the same tokens
         alone = verify(_stat_tree(torch.tensor([b + 1])), logits[b : b + 1], *([a[b]] for a in args), _gens([10 + b]))
         assert alone.accepted_nodes[0] == full.accepted_nodes[b] and alone.bonus_tokens[0] == full.bonus_tokens[b]
+
+
+def test_sampled_tokens_are_plain_sampling_at_the_same_uniforms_whatever_the_tree() -> None:
+    """A Markov target: the committed tokens of any tree (the right children, wrong ones, none) are
+    the tokens plain sampling draws position by position at the same uniforms."""
+    gen = torch.Generator().manual_seed(12)
+    probs_of = apply_sampling_filters(TARGET, 1.2, None, 0.95)  # [V, V]: next-token distribution per token
+    for trial in range(200):
+        u = torch.rand(3, dtype=torch.float64, generator=gen).tolist()
+        root = int(torch.randint(V, (), generator=gen))
+        plain, last = [], root
+        for x in u:
+            last = verifier.draw_rows(probs_of[last][None], [x])[0]
+            plain.append(last)
+        kids = torch.randint(V, (3,), generator=gen).tolist()
+        if trial % 3 == 0:
+            kids[trial % 9 // 3] = plain[0]  # sometimes the right token is among the root's children
+        tree = _stat_tree(torch.tensor([root]), kids)
+        res = verify_sampling(tree, probs_of[tree.tokens], [u])
+        got = res.committed_tokens(tree)[0]
+        assert got == plain[: len(got)]
+        deep = plain[0] in kids and plain[1] in ((plain[0] + 1) % V, (plain[0] + 4) % V)  # its children
+        assert len(got) == (1 if plain[0] not in kids else 3 if deep else 2)
 
 
 def test_verify_matches_verify_sampling_on_filtered_probs() -> None:

@@ -10,6 +10,8 @@ from augury.engine.kv_cache import block_key
 from augury.outputs import SpecStats
 from augury.sampling_params import SamplingParams
 
+UNIFORM_CHUNK = 64  # uniforms a sampled request draws from its generator at a time
+
 _arrival = itertools.count()
 
 
@@ -60,9 +62,12 @@ class Request:
         self.num_cached_blocks = 0
         self.num_cached_tokens = 0
         self.arrival = next(_arrival)
+        # the uniforms that sample this request's output tokens, one per output position (see uniforms)
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        if params.temperature != 0.0:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+            self.generator = torch.Generator().manual_seed(seed)
+        self._uniforms: list[float] = []
         self.spec_stats = SpecStats()
         self.draft_len = 0
         self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len + draft_skip..
@@ -121,6 +126,16 @@ class Request:
         skip, feats = self.draft_skip, torch.cat(self.pending_aux) if len(self.pending_aux) > 1 else self.pending_aux[0]
         self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
         return skip, feats
+
+    def uniforms(self, start: int, n: int) -> list[float]:
+        """The uniforms of output positions start .. start+n-1: output token j of a sampled request is
+        drawn at uniform j, whether plain decoding or verification (any tree, any batch, any cache
+        state) samples it, so a seeded request gives the same tokens with or without speculation.
+        Drawn from the request's generator in chunks as positions are first asked for, then kept
+        (a recompute after preemption, or a rejected draft's retry, reads the same values)."""
+        while len(self._uniforms) < start + n:
+            self._uniforms.extend(torch.rand(UNIFORM_CHUNK, dtype=torch.float64, generator=self.generator).tolist())
+        return self._uniforms[start : start + n]
 
     def prefix_keys(self, n: int, block_size: int) -> list[bytes]:
         """The prefix-cache keys of this request's first n full blocks (n * block_size <= num_tokens),

@@ -4,30 +4,17 @@ from __future__ import annotations
 import torch
 
 from augury.engine.request import Request
-from augury.sampling import apply_sampling_filters
+from augury.sampling import apply_sampling_filters, draw_rows
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [B, V] float32 -> one token id per request."""
+    """logits [B, V] float32 -> one token id per request: argmax for greedy rows; a sampled row draws
+    its next output token at that position's uniform (Request.uniforms), as verification does."""
     out = logits.argmax(dim=-1).tolist()
-    for i, req in enumerate(requests):
-        p = req.params
-        if p.temperature == 0.0:
-            continue
-        # [V]; request generators live on the CPU, so draw there
-        probs = apply_sampling_filters(logits[i], p.temperature, p.top_k, p.top_p).cpu()
-        out[i] = draw(probs, req.generator)
+    rows = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]
+    for i in rows:
+        req, p = requests[i], requests[i].params
+        # [1, V]; request generators live on the CPU, so draw there
+        probs = apply_sampling_filters(logits[i : i + 1], p.temperature, p.top_k, p.top_p).cpu()
+        out[i] = draw_rows(probs, req.uniforms(len(req.output_token_ids), 1))[0]
     return out
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] (non-negative, summing to ~1) by inverting its float64 CDF at one
-    uniform from `generator`: exact up to float64 rounding, and ~0.1 ms against torch.multinomial's
-    ~1.5 ms on a 49k vocabulary (CPU, measured). A token of probability 0 is never drawn (the first
-    index whose cumulative mass exceeds the uniform has positive mass)."""
-    cdf = probs.to(torch.float64).cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, u.view(1), right=True).item())
-    if idx >= cdf.shape[0]:  # u rounded up to the total: the last token with mass
-        idx = int(torch.nonzero(probs > 0)[-1].item())
-    return idx

@@ -3,10 +3,10 @@
 The walk goes one tree level at a time for the whole batch: each level is one batched torch
 call on just the rows being visited (argmax, or filters + softmax), at most depth + 1 levels;
 the per-request decisions run on small Python lists. Touching only visited rows matters on
-CPUs, where even an argmax over all B*N*V logits costs more than the walk itself. Each
-sampling request draws exactly as many uniforms per step as its tree has real nodes, from its
-own generator, whatever it accepts, so its randomness never depends on what else shares the
-batch. Padding nodes (past a row's DraftTree.sizes) are never offered as children.
+CPUs, where even an argmax over all B*N*V logits costs more than the walk itself. A sampling
+request reads one uniform per output position from its own stream (Request.uniforms), so its
+tokens depend neither on what shares the batch nor on the tree. Padding nodes (past a row's
+DraftTree.sizes) are never offered as children.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import apply_sampling_filters
+from augury.sampling import apply_sampling_filters, draw_rows
 from augury.speculative.tree import DraftTree
 
 
@@ -107,118 +107,64 @@ def verify_greedy(tree: DraftTree, target_logits: NodeValues) -> VerifyResult:
 
 # --------------------------------------------------------------------------------------- sampling
 
-def _try_children(child_p: list[float], child_tokens: list[int], uniforms: list[float], total: float) -> tuple[int, list[int]]:
-    """One node of the sampling walk. child_p[j] = p(x_j), the target probability of child j's token
-    at this node; total = sum of p over the vocabulary (1 up to rounding); uniforms[j] ~ U[0, 1).
-
-    Drafts are deterministic (one-hot q(x_j) = 1), so the speculative-sampling rule
-    accept with min(1, p(x)/q(x)) becomes: accept x_1 with probability p(x_1). On rejection the
-    residual is norm(max(p - q, 0)) = p with x_1 zeroed, renormalised; the next sibling is tried
-    against that residual, i.e. accepted with p(x_j) / (mass left). Accepting at u * left < p(x_j)
-    is exactly probability p(x_j) / left. Summing over outcomes, token x is emitted with
-    probability p(x): every path either accepts x (when it is a child) or samples it from the
-    final residual, which is p restricted to the non-children, renormalised.
-    A token repeated among siblings was already zeroed, so its second try always rejects.
-    Returns (accepted child position or -1, rejected tokens in order).
-    """
-    left = total
-    rejected: list[int] = []
-    for j, (p, tok) in enumerate(zip(child_p, child_tokens)):
-        if tok in rejected:
-            continue
-        if p > 0.0 and uniforms[j] * left < p:  # P(accept) = p / left
-            return j, rejected
-        left -= p
-        rejected.append(tok)
-    return -1, rejected
+def _uniform_at(uniforms: Sequence[Sequence[float]], row: int, level: int) -> float:
+    """The uniform of request `row`'s output position `level` past the step's first."""
+    return uniforms[row][level]
 
 
-def _sample_residual(rows: torch.Tensor, rejected: list[list[int]], uniforms: list[float]) -> list[int]:
-    """rows [F, V] target probabilities; for each row, zero its rejected tokens, renormalise, and
-    draw one token by inverse CDF with its uniform. Float64 CDF, so a 128k vocabulary loses
-    nothing to rounding. A row whose residual mass rounds to zero falls back to the full row."""
-    f, v = rows.shape
-    res = rows.to(torch.float64, copy=True)
-    r_idx = [i for i, toks in enumerate(rejected) for _ in toks]
-    if r_idx:
-        t_idx = [t for toks in rejected for t in toks]
-        res[torch.tensor(r_idx, device=rows.device), torch.tensor(t_idx, device=rows.device)] = 0.0
-        empty = res.sum(dim=1) <= 0.0
-        if bool(empty.any()):
-            res[empty] = rows[empty].to(torch.float64)
-    cdf = res.cumsum(dim=1)                                             # [F, V]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=rows.device).view(f, 1)
-    # first index whose CDF exceeds u * total: never a zero-probability token
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=v - 1)
-    return picked.view(f).tolist()
+def _match(kid_toks: list[list[int]], drawn: list[int]) -> list[int]:
+    """Per visited node, the position of the child carrying the drawn token, or -1."""
+    return [kt.index(t) if t in kt else -1 for kt, t in zip(kid_toks, drawn)]
 
 
-def _draw_uniforms(rows: list[int], generators: Sequence[torch.Generator | None] | None, n: int) -> dict[int, list[float]]:
-    """n float64 uniforms per row from its generator; rows without one share one global draw."""
-    out: dict[int, list[float]] = {}
-    shared = [b for b in rows if generators is None or generators[b] is None]
-    if shared:
-        for b, u in zip(shared, torch.rand(len(shared), n, dtype=torch.float64).tolist()):
-            out[b] = u
-    for b in rows:
-        if b not in out:
-            g = generators[b]  # type: ignore[index]
-            out[b] = torch.rand(n, dtype=torch.float64, generator=g, device=g.device).tolist()
-    return out
-
-
-def _sampling_step(tree: DraftTree, rows: list[int], generators: Sequence[torch.Generator | None] | None) -> _Step:
-    """Each request draws n uniforms up front, n its tree's real node count: slots 0..n-2 for
-    child tries (a path tries at most n-1 children), slot n-1 for the bonus."""
-    sizes = tree.row_sizes()
-    uni: dict[int, list[float]] = {}
-    for n in sorted({sizes[b] for b in rows}):
-        uni.update(_draw_uniforms([b for b in rows if sizes[b] == n], generators, n))
-    used = {b: 0 for b in rows}
+def _sampling_step(uniforms: Sequence[Sequence[float]]) -> _Step:
+    """Sample, then match: at a visited node of depth d, the target's token for that position is
+    drawn from the node's distribution at the request's uniform for its d-th new position (draw_rows,
+    exactly as a plain decode step draws it); the child carrying that token is accepted, and where
+    none does, the drawn token is the bonus. Every position's committed token is thus the target's
+    own sample given the tokens before it, at a uniform used for that position alone: the output is
+    distributed exactly as plain sampling, and with the same uniforms it is the same tokens, whatever
+    the tree. (With deterministic drafts this accepts a child x with probability p(x), as the
+    speculative-sampling rule min(1, p/q) with one-hot q and residual resampling does.)"""
+    level = [0]
 
     def step(active: list[int], kid_toks: list[list[int]], probs: torch.Tensor) -> tuple[list[int], list[int]]:
-        totals = probs.sum(dim=1).tolist()                              # [A]
-        width = max(len(kt) for kt in kid_toks)
-        child_p: list[list[float]] = [[] for _ in active]
-        if width:
-            pad = [kt + [0] * (width - len(kt)) for kt in kid_toks]
-            child_p = probs.gather(1, torch.tensor(pad, device=probs.device)).tolist()  # [A, width]
-        moves, done, done_rej = [], [], []
-        for a, b in enumerate(active):
-            kt = kid_toks[a]
-            j, rej = _try_children(child_p[a][: len(kt)], kt, uni[b][used[b]:], totals[a])
-            used[b] += len(kt) if j < 0 else j + 1
-            moves.append(j)
-            if j < 0:
-                done.append(a)
-                done_rej.append(rej)
-        bonus = [-1] * len(active)
-        if done:
-            toks = _sample_residual(probs[torch.tensor(done, device=probs.device)], done_rej,
-                                    [uni[active[a]][-1] for a in done])
-            for a, tok in zip(done, toks):
-                bonus[a] = tok
-        return moves, bonus
+        drawn = draw_rows(probs, [_uniform_at(uniforms, b, level[0]) for b in active])
+        level[0] += 1
+        return _match(kid_toks, drawn), drawn
 
     return step
 
 
+def fresh_uniforms(tree: DraftTree, rows: Sequence[int]) -> dict[int, list[float]]:
+    """Uniforms from the global generator for every level of `rows`' trees (for callers without
+    per-request streams, e.g. statistical tests)."""
+    n = int(tree.depth.max()) + 1 if tree.depth.numel() else 1
+    u = torch.rand(len(rows), n, dtype=torch.float64).tolist()
+    return dict(zip(rows, u))
+
+
 def verify_sampling(tree: DraftTree, target_probs: NodeValues,
-                    generators: Sequence[torch.Generator | None] | None) -> VerifyResult:
+                    uniforms: Sequence[Sequence[float]] | None = None) -> VerifyResult:
     """target_probs [B, N, V] (or a row function): the target's distributions at every node after
-    temperature, top-k, top-p. Lossless: emitted tokens are distributed exactly as sampling the
-    target alone. generators: one per request (None = global RNG), or None for all global."""
+    temperature, top-k, top-p. uniforms[b][d]: request b's uniform for its d-th new position (at
+    least its tree's depth + 1 of them; None: fresh ones from the global generator). Lossless:
+    the emitted tokens are those plain sampling draws with the same uniforms."""
     rows = list(range(tree.batch_size))
-    return _result(_walk(tree, rows, _rows_at(target_probs), _sampling_step(tree, rows, generators)), tree.batch_size)
+    if uniforms is None:
+        fresh = fresh_uniforms(tree, rows)
+        uniforms = [fresh[b] for b in rows]
+    return _result(_walk(tree, rows, _rows_at(target_probs), _sampling_step(uniforms)), tree.batch_size)
 
 
 # ------------------------------------------------------------------------------------------- mixed
 
 def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[float],
            top_ks: Sequence[int | None], top_ps: Sequence[float],
-           generators: Sequence[torch.Generator | None] | None) -> VerifyResult:
+           uniforms: Sequence[Sequence[float] | None] | None = None) -> VerifyResult:
     """target_logits [B, N, V] raw logits (or a row function). Rows with temperature 0 verify
-    greedily; the others by sampling from the filtered target, computed only at visited nodes."""
+    greedily; the others by sampling from the filtered target, computed only at visited nodes, at
+    uniforms[b] (see verify_sampling; None, for all or for a row: fresh global ones)."""
     b_all = tree.batch_size
     if not len(temperatures) == len(top_ks) == len(top_ps) == b_all:
         raise ValueError(f"verify: need one temperature, top_k and top_p per request ({b_all})")
@@ -230,5 +176,7 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
         def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
             return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs],
                                           [top_ks[b] for b in bs], [top_ps[b] for b in bs])
-        res.update(_walk(tree, sampled, probs_at, _sampling_step(tree, sampled, generators)))
+        fresh = fresh_uniforms(tree, [b for b in sampled if uniforms is None or uniforms[b] is None])
+        per_row = [fresh.get(b) or (uniforms[b] if uniforms is not None else None) for b in range(b_all)]
+        res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row)))
     return _result(res, b_all)

@@ -113,11 +113,14 @@ class Speculator:
         else:
             logits_at = lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
         ps = [r.params for r in reqs]
+        depths = tree.deepest()  # [B] deepest draft offered per request
+        # a row commits at most depth + 1 tokens: the uniforms of those output positions
+        uniforms = [r.uniforms(len(r.output_token_ids), d + 1) if p.temperature != 0.0 else None
+                    for r, p, d in zip(reqs, ps, depths)]
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
-                     [r.generator for r in reqs])
+                     uniforms)
         committed = res.committed_tokens(tree)
         lps = self._logprobs(host, reqs, res.accepted_nodes, committed, logits_at, hidden)
-        depths = tree.deepest()  # [B] deepest draft offered per request
         sizes = tree.row_sizes()
         src, dst = [], []
         bs = host.block_size
