@@ -176,7 +176,10 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
         def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
             return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs],
                                           [top_ks[b] for b in bs], [top_ps[b] for b in bs])
-        fresh = fresh_uniforms(tree, [b for b in sampled if uniforms is None or uniforms[b] is None])
-        per_row = [fresh.get(b) or (uniforms[b] if uniforms is not None else None) for b in range(b_all)]
+        per_row = list(uniforms) if uniforms is not None else [None] * b_all
+        missing = [b for b in sampled if per_row[b] is None]
+        if missing:  # only callers without per-request streams (tests) get here
+            for b, u in fresh_uniforms(tree, missing).items():
+                per_row[b] = u
         res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row)))
     return _result(res, b_all)
