@@ -14,11 +14,11 @@ import os
 import torch
 
 from augury import LLM, SamplingParams
-from augury.attention import TorchPagedBackend
+from augury.attention import PagedBackend
 from augury.config import CPU_KERNELS_VAR
 from augury.demo import ensure_demo_target
-from augury.engine.kv_cache import KVCache
-from augury.models import cpu_kernels
+from augury.core.kv_cache import KVCache
+from augury.cpu import kernels as cpu_kernels
 from augury.models.loader import load_target
 from augury.models.tokenizer import load_tokenizer
 from augury.prompts import held_out_prompts
@@ -38,7 +38,7 @@ def forward_logits(model, cfg, ids: list[int], dtype: torch.dtype) -> torch.Tens
     bs, n = 16, len(ids)
     blocks = -(-n // bs)
     kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
-    attn = TorchPagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
+    attn = PagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
     with torch.no_grad():
         hidden, _ = model(torch.tensor([ids]), torch.arange(n)[None], attn)
         return model.logits(hidden[0])

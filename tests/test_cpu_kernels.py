@@ -4,18 +4,16 @@ invariant, bit for bit; and the fallback to torch's kernel when it cannot be bui
 from __future__ import annotations
 
 import logging
-import platform
 
 import pytest
 import torch
 
-from augury.models import cpu_kernels
+from augury.cpu import build, isa
+from augury.cpu import kernels as cpu_kernels
 from augury.models.quant import Int4Linear, default_int4_backend, int4_values
 
 G = 32
-CAN_BUILD = (platform.machine().lower() in ("x86_64", "amd64")
-             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-             and cpu_kernels._compiler() is not None)
+CAN_BUILD = isa.why_unsupported() is None and build.compiler() is not None
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and a C++ compiler")
 
 
@@ -168,9 +166,8 @@ def test_kernels_off_or_unbuildable_fall_back_to_torch(monkeypatch, tmp_path, ca
         monkeypatch.delenv("AUGURY_CPU_KERNELS")
         monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path))
         monkeypatch.setenv("CXX", "false")
-        monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/bin/false")
         cpu_kernels.reset()
-        with caplog.at_level(logging.WARNING, logger="augury.models.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="augury.cpu.kernels"):
             mod = Int4Linear(codes, scale, zero, None, torch.bfloat16)
             Int4Linear(codes, scale, zero, None, torch.bfloat16)
         assert mod.backend == "torch"
@@ -186,7 +183,7 @@ def test_kernels_off_or_unbuildable_fall_back_to_torch(monkeypatch, tmp_path, ca
 # ---- exact-rows attention (kernels/attention.cpp) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def attn_kernel() -> cpu_kernels.Attention:
+def attn_kernel() -> cpu_kernels.AttentionKernel:
     k = cpu_kernels.attention()
     assert k is not None, "the attention kernel did not build or load on a machine that can build it"
     return k

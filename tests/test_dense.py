@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.models import cpu_kernels
-from augury.models.dense import (NO_PADDING, PROBE_ROWS, BF16PanelLinear, HalfPackedLinear, half_gemm_available,
+from augury.cpu import kernels as cpu_kernels
+from augury.models.dense import (NO_PADDING, PROBE_ROWS, BF16PanelLinear, HalfPackedLinear, fbgemm_half_available,
                                  pack_half_linears, row_padding)
 from augury.models.loader import load_target
 from conftest import hf_logits
 
 CPU = torch.device("cpu")
-needs_fbgemm = pytest.mark.skipif(not half_gemm_available(torch.bfloat16, CPU),
+needs_fbgemm = pytest.mark.skipif(not fbgemm_half_available(torch.bfloat16, CPU),
                                   reason="fbgemm's float16 GEMM is not what this CPU uses for bfloat16")
 
 
@@ -118,7 +118,7 @@ def test_bfloat16_target_packs_and_matches_transformers(tiny_checkpoint, hf_mode
 
 @needs_fbgemm
 def test_head_is_packed_without_padding(tmp_path) -> None:
-    from augury.models.eagle3 import load_eagle3
+    from augury.models.eagle3_head import load_eagle3
     from speculative_helpers import make_target, random_head
 
     target, head_dir = make_target(tmp_path / "t"), random_head(tmp_path / "h")
@@ -129,9 +129,9 @@ def test_head_is_packed_without_padding(tmp_path) -> None:
 
 
 def test_not_used_where_it_does_not_apply(monkeypatch) -> None:
-    assert not half_gemm_available(torch.float32, CPU)
-    monkeypatch.setattr("augury.models.quant.native_bf16_gemm", lambda: True)
-    assert not half_gemm_available(torch.bfloat16, CPU)
+    assert not fbgemm_half_available(torch.float32, CPU)
+    monkeypatch.setattr("augury.cpu.isa.native_bf16", lambda: True)
+    assert not fbgemm_half_available(torch.bfloat16, CPU)
 
 
 def test_weights_past_float16_range_keep_f_linear() -> None:
@@ -198,7 +198,7 @@ def test_an_untied_output_layer_past_float16_range_stays(tiny_checkpoint, tmp_pa
     assert model.lm_head.weight[0, 0].item() == 2.0**20
 
 
-needs_bf16_kernel = pytest.mark.skipif(not half_gemm_available(torch.bfloat16, CPU) or cpu_kernels.bf16() is None,
+needs_bf16_kernel = pytest.mark.skipif(cpu_kernels.bf16() is None,
                                        reason="augury's bf16 kernel does not serve or build here")
 
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from augury import SamplingParams
-from augury.attention import TorchPagedBackend
-from augury.engine.builder import StartupError
-from augury.engine.kv_cache import KVCache
+from augury.attention import PagedBackend
+from augury.builder import StartupError
+from augury.core.kv_cache import KVCache
 from augury.models.loader import load_target
 from conftest import (FAMILIES, LLAMA3_ROPE, _hf_config, _randomize, edit_config, hf_greedy, hf_logits,
                       random_prompts)
@@ -34,7 +34,7 @@ def augury_logits(folder: Path, prompt: list[int], dtype: torch.dtype = torch.fl
     blocks = -(-len(prompt) // bs)
     kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
     n = len(prompt)
-    attn = TorchPagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
+    attn = PagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
     with torch.no_grad():
         hidden, _ = model(torch.tensor([prompt]), torch.arange(n)[None], attn)
         return model.logits(hidden[0])

@@ -14,7 +14,7 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.config import EngineConfig, add_flags
-from augury.engine.kv_cache import BlockAllocator, block_key
+from augury.core.kv_cache import BlockAllocator, block_key
 from conftest import assert_no_leaks
 from speculative_helpers import checkpoints
 

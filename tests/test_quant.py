@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.attention import TorchPagedBackend
-from augury.engine.kv_cache import KVCache
-from augury.models import cpu_kernels, quant
-from augury.models.dense import HalfPackedLinear, half_gemm_available
-from augury.models.eagle3 import load_eagle3
+from augury.attention import PagedBackend
+from augury.core.kv_cache import KVCache
+from augury.cpu import kernels as cpu_kernels
+from augury.models import quant
+from augury.models.dense import HalfPackedLinear, fbgemm_half_available
+from augury.models.eagle3_head import load_eagle3
 from augury.models.gguf import INT4_FILE, INT4_INDEX, convert_gguf_to_hf
 from augury.models.loader import load_target
 from augury.models.quant import Int4Linear, Int8Linear, int4_values, quantize_head
@@ -118,14 +119,15 @@ def test_quantised_linears_are_close_to_dense_and_keep_the_bias(dtype) -> None:
     assert torch.equal(Int8Linear.from_float(w, b, dtype).bias, b.to(dtype))
 
 
-def test_dense_path_above_the_row_threshold() -> None:
+def test_one_kernel_at_every_row_count_and_no_dense_copy() -> None:
+    """No switch to a dense copy at some row count: each row is the kernel's at 1 row and at 64."""
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(6))
-    mod = Int8Linear.from_float(w, None, torch.float32, row_threshold=2)
-    assert mod.dense is not None
-    x = torch.randn(3, 64)
-    assert torch.equal(mod(x), torch.nn.functional.linear(x, mod.dense))
-    assert torch.equal(mod(x[:2]), torch._weight_int8pack_mm(x[:2], mod.qweight, mod.scales))
-    assert Int8Linear.from_float(w, None, torch.float32).dense is None  # no threshold, no copy
+    for mod in (Int8Linear.from_float(w, None, torch.bfloat16), Int4Linear.from_float(w, None, torch.bfloat16)):
+        assert not [n for n, _ in mod.named_buffers() if n == "dense"]
+        x = torch.randn(64, 64).to(torch.bfloat16)
+        rows = mod(x)
+        for i in (0, 5, 63):
+            assert torch.equal(rows[i], mod(x[i:i + 1])[0])
 
 
 # ---- whole models ------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ def _hidden(model, cfg, prompt: list[int], dtype) -> torch.Tensor:
     bs, n = 16, len(prompt)
     blocks = -(-n // bs)
     kv = KVCache(cfg.num_layers, blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
-    attn = TorchPagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
+    attn = PagedBackend(kv.k, kv.v, bs).prepare_prefill([list(range(1, blocks + 1))], [0], [n])
     with torch.no_grad():
         return model(torch.tensor([prompt]), torch.arange(n)[None], attn)[0][0]
 
@@ -216,9 +218,7 @@ def spec_ckpts(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_speculative_greedy_equals_plain_greedy_per_mode(mode, dtype, spec_ckpts, monkeypatch) -> None:
     """The kernels are row-count invariant, so a verified node computes what a decode step
-    computes: exact in float32 and in bfloat16 (the dense switch is kept off: with it, rows past
-    the threshold are computed another way, see quant.ROW_THRESHOLD_NATIVE_BF16)."""
-    monkeypatch.setattr(quant, "native_bf16_gemm", lambda: False)
+    computes: exact in float32 and in bfloat16, on every CPU (no dense switch at any row count)."""
     target, head = spec_ckpts
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 17, 30, 9, 20)]
     prompts = _prompts(len(params))
@@ -331,7 +331,7 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
         err = (model.lm_head.weight - emb).view(emb.shape[0], -1, 32).abs()
         assert (err <= groups / 254 * 1.001).all()  # half a step of max |w| / 127 per group
     else:
-        packed = dtype != torch.float32 and half_gemm_available(dtype, torch.device("cpu"))
+        packed = dtype != torch.float32 and fbgemm_half_available(dtype, torch.device("cpu"))
         assert isinstance(model.lm_head, HalfPackedLinear if packed else Int8Linear)
     assert isinstance(model.embed_tokens, torch.nn.Embedding)
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from augury import LLM, SamplingParams
-from augury.engine.request import Request
+from augury.core.request import Request
 from augury.speculative.adaptive import AdaptivePolicy, LinearCost
 from augury.speculative.policy import StaticPolicy, TreeShape
 from speculative_helpers import checkpoints, make_target

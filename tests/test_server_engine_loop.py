@@ -18,7 +18,7 @@ LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     from augury.config import EngineConfig
-    from augury.engine.builder import build_engine
+    from augury.builder import build_engine
 
     tiny: Path = shared_tiny_checkpoint(tmp_path_factory)
     return build_engine(EngineConfig.create(model=str(tiny), dtype="float32", device="cpu", max_num_seqs=2,

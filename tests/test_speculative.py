@@ -209,7 +209,7 @@ def test_aux_layer_convention(ckpts):
     llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
               log_stats_interval=0)
     assert llm.engine.speculator.aux_layers == (0, 2, 3)
-    from augury.models.eagle3 import default_aux_layers
+    from augury.models.eagle3_head import default_aux_layers
 
     assert default_aux_layers(32) == (1, 15, 28)
     # the captured feature of layer i equals transformers' hidden_states[i + 1] (output of layer i)
@@ -236,7 +236,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     tree would sum the keys in another order (and flip near-tie greedy choices). At ctx 61 the
     nodes' key counts straddle a multiple of KEY_ALIGN: one call per padded width, or (merge)
     all padded to the widest."""
-    from augury.attention import TorchPagedBackend
+    from augury.attention import PagedBackend
     from augury.speculative.tree import depth_from_parents
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
@@ -250,7 +250,7 @@ def test_tree_verification_is_exactly_decoding_in_bfloat16(ckpts, ctx, merge):
     per = -(-(ctx + n) // bs)
     tables = [list(range(1, 1 + per)), list(range(1 + per, 1 + 2 * per))]  # free blocks: nothing runs
 
-    backend = TorchPagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=merge)
+    backend = PagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=merge)
 
     def run(table, ids, pos, c, tree_parents=None):
         if tree_parents is not None:
@@ -280,10 +280,10 @@ def test_aligned_single_query_attention_ignores_batch_and_extra_padding(dtype, h
     keys to a multiple of KEY_ALIGN gets bit for bit the same output as one row of a batched call
     whose keys are padded further (so a whole tree, and a batch, takes one call), and alone when
     run as two identical rows: at more than one thread torch computes a lone row another way (the
-    demo's 9/3 heads of 64 differ in the last bits at 2 threads; TorchStepAttention doubles it)."""
+    demo's 9/3 heads of 64 differ in the last bits at 2 threads; StepAttention doubles it)."""
     import torch.nn.functional as F
 
-    from augury.attention.torch_paged import KEY_ALIGN, WIDTH_FREE_DTYPES, _align
+    from augury.attention.paged import KEY_ALIGN, WIDTH_FREE_DTYPES, _align
 
     assert dtype in WIDTH_FREE_DTYPES
     g = torch.Generator().manual_seed(3)
@@ -306,7 +306,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     """Two requests' trees verified in one forward (bfloat16): each node's hidden state is bit
     for bit the one its request gets verified alone, whether the rows share one attention call
     or the gather budget splits them into many."""
-    from augury.attention import torch_paged
+    from augury.attention import paged as torch_paged
     from augury.speculative.tree import depth_from_parents
 
     llm = LLM(str(ckpts["target"]), dtype="bfloat16", speculative_algorithm="none", log_stats_interval=0)
@@ -319,7 +319,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     per = -(-(max(ctxs) + n) // bs)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(2)]
 
-    backend = torch_paged.TorchPagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=True)
+    backend = torch_paged.PagedBackend(eng.kv.k, eng.kv.v, bs, merge_widths=True)
 
     def run(which, ids, pos, tree=True):
         c, tbl = [ctxs[i] for i in which], [tables[i] for i in which]
@@ -370,7 +370,7 @@ def test_ngram_branch_on_eagle3_trees(ckpts, batch):
 def test_shallow_target_with_default_aux_layers_decodes_as_plain(tmp_path, layers):
     """A head without eagle_aux_hidden_state_layer_ids on a target under 5 layers reads three
     layers (repeating one where there are fewer), so fc [H, 3H] fits and greedy output is plain's."""
-    from augury.models.eagle3 import default_aux_layers
+    from augury.models.eagle3_head import default_aux_layers
 
     assert len(default_aux_layers(layers)) == 3
     target = make_target(tmp_path / "target", layers=layers)
@@ -422,7 +422,7 @@ def test_a_position_past_the_rope_table_is_an_error_not_clamped(plain):
 def test_masked_fallback_for_trees_stays_greedy_exact(ckpts, monkeypatch):
     """When exact attention would take too many calls the backend falls back to one masked call
     with the tree's ancestor mask (built only then); float32 greedy output is still plain's."""
-    from augury.attention import torch_paged
+    from augury.attention import paged as torch_paged
 
     monkeypatch.setattr(torch_paged, "MAX_EXACT_GROUPS", 0)  # every step takes the masked path
     built = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from augury.models.eagle3 import load_eagle3
+from augury.models.eagle3_head import load_eagle3
 from augury.models.loader import load_target
 from augury.train import train_main
 from augury.train.data import Sample
@@ -217,7 +217,7 @@ def test_train_draft_pipeline_beats_untrained_head(bigram_target: Path, tmp_path
 def test_eval_on_the_varied_set_reports_acceptance_per_kind(tmp_path: Path) -> None:
     """The evaluation also runs the varied held-out set (kinds no training template makes) as one
     batch and splits its acceptance by kind; the split adds up to the whole."""
-    from augury.models.eagle3 import default_aux_layers
+    from augury.models.eagle3_head import default_aux_layers
     from augury.prompts import VARIED_PROMPTS, varied_prompts
     from helpers_server import make_tiny_checkpoint
 

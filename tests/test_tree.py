@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from augury.speculative.tree import (DraftTree, chain_tree, depth_from_parents, graft_chains, select_tree,
-                              tree_attention_mask)
+from augury.attention.tree_mask import tree_attention_mask
+from augury.speculative.tree import DraftTree, chain_tree, depth_from_parents, graft_chains, select_tree
 
 
 def _brute_mask(parents: list[int]) -> list[list[bool]]:

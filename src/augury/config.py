@@ -22,8 +22,11 @@ from typing import Any
 FAULT_INJECT_VAR = "AUGURY_FAULT_INJECT"
 # Where augury keeps what it builds (the demo, GGUF conversions, its compiled CPU kernels).
 CACHE_ENV = "AUGURY_CACHE_DIR"
-# "0" turns augury's own CPU kernels off (models/cpu_kernels.py): torch's kernels run instead.
+# "0" turns augury's own CPU kernels off (augury/cpu/): torch's kernels run instead.
 CPU_KERNELS_VAR = "AUGURY_CPU_KERNELS"
+# An ISA level for augury's CPU kernels at or below the CPU's own (augury/cpu/isa.py: avx2, avx_vnni,
+# avx512_vnni, avx512_bf16): for comparisons and tests.
+CPU_ISA_VAR = "AUGURY_CPU_ISA"
 ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -332,6 +335,12 @@ def cache_root() -> Path:
 def cpu_kernels_enabled() -> bool:
     """False when AUGURY_CPU_KERNELS is "0" (or "false", "off", "no")."""
     return os.environ.get(CPU_KERNELS_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpu_isa_override() -> str | None:
+    """The ISA level AUGURY_CPU_ISA asks for (lower-cased), or None when it is unset or empty."""
+    value = os.environ.get(CPU_ISA_VAR, "").strip().lower()
+    return value or None
 
 
 def injected_fault_stage() -> str | None:

@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from augury.config import EngineConfig
-from augury.engine.builder import build_engine
+from augury.builder import build_engine
 from augury.outputs import RequestOutput
 from augury.resolve import resolve
 from augury.sampling_params import SamplingParams

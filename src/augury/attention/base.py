@@ -1,11 +1,35 @@
 """The interface every attention backend implements (a Protocol: backends need not inherit)."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from augury.models.layers import PagedAttention
+
+class FusedRows(NamedTuple):
+    """Every row of an exact-rows step in one table, for the fused layer stack (models/fused.py):
+    the cache it reads and writes, where each row's new key goes, and each row's key slots."""
+
+    k_cache: torch.Tensor  # [layers, slots, nkv, hd]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [R] int64: the cache slot of row r's new key and value
+    slots: torch.Tensor  # [R, W] int64: row r's keys, in position order, its own last
+    nkeys: torch.Tensor  # [R] int32: how many of slots[r] row r reads
+
+
+class PagedAttention(Protocol):
+    """One step's attention over a paged KV cache, prepared by an attention backend (see
+    augury.attention) once for all layers: the model calls it from every layer."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Q, H, hd], k/v [B, Q, Hkv, hd] (rope applied): stores layer `layer`'s new keys and
+        values in the cache and returns the attention output [B, Q, H*hd]."""
+        ...
+
+    def fused_rows(self) -> FusedRows | None:
+        """This step's rows as one table where its attention is exact rows on augury's CPU kernel
+        (decode steps, verified trees), so the whole layer stack may run as one call; else None."""
+        ...
 
 
 class AttentionBackend(Protocol):

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 
-def _self_rooted(parents: torch.Tensor) -> torch.Tensor:
+def self_rooted(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents with -1 replaced by the node's own index, so gathers never go out of range
     and pointer jumping saturates at the root."""
     idx = torch.arange(parents.shape[1], device=parents.device).expand_as(parents)
     return torch.where(parents < 0, idx, parents)
 
 
-def _num_doublings(n: int) -> int:
+def num_doublings(n: int) -> int:
     """Rounds of pointer doubling that cover any path of n nodes (distance up to n - 1)."""
     rounds, reach = 0, 1
     while reach < n - 1:
@@ -31,10 +31,10 @@ def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
     row of i's 2^s-th ancestor doubles the reach.
     """
     b, n = parents.shape
-    anc = _self_rooted(parents)
+    anc = self_rooted(parents)
     eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
     mask = eye | torch.nn.functional.one_hot(anc, n).bool()
-    for _ in range(_num_doublings(n)):
+    for _ in range(num_doublings(n)):
         mask = mask | mask.gather(1, anc.unsqueeze(-1).expand(b, n, n))
         anc = anc.gather(1, anc)
     return mask

@@ -15,14 +15,14 @@ import torch
 from augury.attention import AttentionBackend
 from augury.config import EngineConfig
 from augury.engine.detokenizer import IncrementalDetokenizer
-from augury.engine.kv_cache import BlockAllocator, KVCache
-from augury.engine.request import Request, Status
+from augury.core.kv_cache import BlockAllocator, KVCache
+from augury.core.request import Request, Status
 from augury.engine.sampler import sample
 from augury.engine.scheduler import ScheduledBatch, Scheduler
-from augury.engine.stats import EngineStats
-from augury.engine.timing import clock
+from augury.core.stats import EngineStats
+from augury.core.timing import clock
 from augury.models.config import TargetConfig
-from augury.models.layers import PagedAttention
+from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
 from augury.sampling import token_logprobs

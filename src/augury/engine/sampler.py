@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from augury.engine.request import Request
+from augury.core.request import Request
 from augury.sampling import apply_sampling_filters, draw_rows
 
 

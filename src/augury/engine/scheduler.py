@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from augury.engine.kv_cache import BlockAllocator
-from augury.engine.request import Request, Status
+from augury.core.kv_cache import BlockAllocator
+from augury.core.request import Request, Status
 
 
 @dataclass

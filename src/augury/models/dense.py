@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from augury.models import cpu_kernels
+from augury.cpu import isa
+from augury.cpu import kernels as cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,10 @@ PROBE_ROWS = 128  # row counts whose padding is probed one by one; above, multip
 ROW_BLOCK_CANDIDATES = (6, 14, 12, 8, 16, 24, 28)
 
 
-def half_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether 16-bit dense linears take the packed float16 GEMM: CPU, a 16-bit dtype, no native
-    bfloat16 GEMM (where oneDNN's own is faster), and an fbgemm build."""
-    from augury.models.quant import native_bf16_gemm
-
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_bf16_gemm()
+def fbgemm_half_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 16-bit dense linears may take fbgemm's packed float16 GEMM: CPU, a 16-bit dtype, no
+    native bfloat16 GEMM (where oneDNN's own is faster), and an fbgemm build."""
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not isa.native_bf16()
             and "fbgemm" in torch.backends.quantized.supported_engines)
 
 
@@ -182,9 +181,10 @@ class BF16PanelLinear(nn.Module):
 
 def bf16_panel_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
     """A dense bfloat16 target's layer linears and output layer on augury's bf16 kernel, where it
-    serves (bfloat16 on a CPU without native bfloat16 GEMMs, the kernel built, widths % 8 == 0);
+    serves (bfloat16 on the CPU, the kernel built, widths % 8 == 0; with or without native bfloat16
+    GEMMs, whose row-count-dependent blocking would give verified rows other bits than decode rows);
     True if it swapped them, False (nothing changed) otherwise."""
-    if dtype != torch.bfloat16 or not half_gemm_available(dtype, device):
+    if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     linears = [(n, m) for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
     out = model.lm_head if model.lm_head is not None else model.embed_tokens
@@ -224,7 +224,7 @@ def packed_output_layer(layer: nn.Module, dtype: torch.dtype, device: torch.devi
     targets take it too, instead of an int8 output layer: on the demo's (49152 x 576, 2 threads)
     1 row 4.75 ms against int8's 4.36, 9 rows 9.8 against 17.1, 12 rows 10.5 against 20.1, and
     float16 holds the weights closer than int8 does."""
-    padding = row_padding() if half_gemm_available(dtype, device) else None
+    padding = row_padding() if fbgemm_half_available(dtype, device) else None
     if padding is None or layer.weight.detach().abs().max().item() > HALF_MAX:
         return None
     return HalfPackedLinear(layer.weight, getattr(layer, "bias", None), dtype, padding)

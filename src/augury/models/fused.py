@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from augury.models import cpu_kernels
+from augury.cpu import kernels as cpu_kernels
 
 FIELDS = 18  # per layer: the order of kernels/forward.cpp's Field enum
 
@@ -36,8 +36,7 @@ def _linear_fields(lin) -> list[int] | None:
         return None
     if isinstance(lin, BF16PanelLinear) and lin.out_dtype == torch.bfloat16:
         return [lin.panels.data_ptr(), 0, 0, _addr(bias)]
-    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16 \
-            or lin.dense is not None:
+    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16:
         return None
     return [lin.w4a8_codes.data_ptr(), lin.w4a8_scale.data_ptr(), lin.w4a8_zero.data_ptr(), _addr(bias)]
 
@@ -93,8 +92,7 @@ class FusedStack:
         """h [B, Q, H] float32 (the embedded tokens; updated in place); cos / sin [B, Q, 1, hd]
         bfloat16. Returns (final-norm hidden [B, Q, H] bfloat16, aux [B, Q, n*H] or None), or None
         when this step's attention is not one the kernel takes (the caller runs the layers)."""
-        rows = getattr(attn, "fused_rows", None)
-        table = rows() if rows is not None else None
+        table = attn.fused_rows()
         b, q, hid = h.shape
         if table is None or torch.is_grad_enabled() and h.requires_grad:
             return None

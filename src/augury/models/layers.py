@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from augury.models import cpu_kernels
+from augury.cpu import kernels as cpu_kernels
 from augury.models.config import RopeConfig
 
 
@@ -99,46 +99,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
-
-
-class PagedAttention(Protocol):
-    """One step's attention over a paged KV cache, prepared by an attention backend (see
-    augury.attention) once for all layers: the model calls it from every layer."""
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, Q, H, hd], k/v [B, Q, Hkv, hd] (rope applied): stores layer `layer`'s new keys and
-        values in the cache and returns the attention output [B, Q, H*hd]."""
-        ...
-
-
-def attend(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_ctx: torch.Tensor | None,
-    v_ctx: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    causal: bool,
-) -> torch.Tensor:
-    """Scaled dot-product attention of new queries over [context keys, new keys].
-
-    q [B, Q, H, hd]; k_new/v_new [B, Q, Hkv, hd]; k_ctx/v_ctx [B, C, Hkv, hd] or None;
-    mask [B, 1, Q, C+Q] bool (True = may attend) or None (then `causal` says whether the
-    new block is causal with no context, or everything is visible). Returns [B, Q, H*hd].
-    """
-    if k_ctx is not None:
-        k = torch.cat([k_ctx, k_new], dim=1)
-        v = torch.cat([v_ctx, v_new], dim=1)
-    else:
-        k, v = k_new, v_new
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, len, hd]
-    gqa = qt.shape[1] != kt.shape[1]
-    if mask is not None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal and q.shape[1] > 1, enable_gqa=gqa)
-    b, _, ql, _ = out.shape
-    return out.transpose(1, 2).reshape(b, ql, -1)
 
 
 class TransposedLinear(nn.Module):

@@ -12,8 +12,8 @@ from torch import nn
 
 from augury.models.config import TargetConfig
 from augury.models.fused import FusedStack
-from augury.models.layers import (PagedAttention, RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed,
-                                  silu_mul)
+from augury.attention.base import PagedAttention
+from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed, silu_mul
 
 
 class Attention(nn.Module):

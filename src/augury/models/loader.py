@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from augury.models.config import TargetConfig
-from augury.models.dense import (bf16_panel_linears, half_gemm_available, pack_half_linears, packed_output_layer,
+from augury.models.dense import (bf16_panel_linears, fbgemm_half_available, pack_half_linears, packed_output_layer,
                                  row_padding)
 from augury.models.layers import Rotary
 from augury.models.llama import TargetModel
@@ -147,7 +147,6 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                          f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
     int4_names, sources = set(index.get("int4", [])), index.get("source_types", {})
     device = model.embed_tokens.weight.device
-    threshold = {m: quant.default_row_threshold(m, dtype, device) for m in ("int8", "int4")}
     count = 0
     with safe_open(str(folder / INT4_FILE), framework="pt") as f:
         for path, names in fused_linears(model).items():
@@ -162,13 +161,13 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                     raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(codes.shape)}, "
                                      f"expected {list(dense.weight.shape)}")
                 if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
-                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, threshold["int4"])
+                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype)
                     count += 1
             elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
                                         or packed_output_layer(dense, dtype, device)) is not None:
                 new = packed
             elif all(sources.get(n) == "Q8_0" for n in names):
-                new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype, threshold["int8"])
+                new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype)
             if new is not None:
                 parent, _, attr = path.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, new.to(device))
@@ -221,7 +220,7 @@ def load_target(
         quantize_model(model, mode, dtype)
     if model.quantization == "none" and bf16_panel_linears(model, dtype, device):
         pass  # augury's dense bfloat16 kernel (models/dense.py), row-count invariant without padding
-    elif model.quantization == "none" and half_gemm_available(dtype, device) and (padding := row_padding()):
+    elif model.quantization == "none" and fbgemm_half_available(dtype, device) and (padding := row_padding()):
         # fbgemm's float16 GEMM, rows padded so each is computed as if alone (models/dense.py)
         pack_half_linears(model.layers, dtype, padding)
         out = packed_output_layer(model.embed_tokens if model.lm_head is None else model.lm_head, dtype, device)

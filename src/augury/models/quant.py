@@ -2,7 +2,7 @@
 
 Int8Linear: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
 Int4Linear: group 32, asymmetric (a scale and a zero per group): in bfloat16 augury's w4a8 kernel
-(models/cpu_kernels.py) where it builds, else `torch._weight_int4pack_mm_for_cpu` on weights
+(augury/cpu) where it builds, else `torch._weight_int4pack_mm_for_cpu` on weights
 packed by `torch._convert_weight_to_int4pack_for_cpu`.
 
 Torch facts these modules stand on (torch 2.13 CPU, checked by tests/test_quant.py):
@@ -13,14 +13,10 @@ Torch facts these modules stand on (torch 2.13 CPU, checked by tests/test_quant.
 - both kernels compute each output row independently: a row comes out bit for bit the same
   alone or inside 8, 12 or 64 rows (measured at 1 and 2 threads, AVX2).
 
-Kernel choice by row count: the quantised kernels cost time linear in the rows (they do not
-block rows), dense GEMMs on CPUs with native bfloat16 do not. Above `row_threshold` rows a
-module runs F.linear on weights dequantised ONCE at load and kept (+2 bytes per weight in 16-bit
-dtypes: +269 MB for the demo); per-call dequantisation measured ~1.7 ns per weight (~230 ms
-per forward of the demo), far above any GEMM saving. The switch is where row-count invariance
-ends: a row computed by the dense path differs in its last bits from the kernel's, so
-speculative verification of more than `row_threshold` rows is exact against plain decoding
-only where both use the same path (always, when the threshold is None).
+One numeric path per mode at every row count: a quantised linear always runs its kernel (no dense
+copy above some row count: that switch changed the last bits of verified rows on CPUs with native
+bfloat16, and greedy speculative output left plain decoding's), so verification rows equal decode
+rows bit for bit and no second copy of the weights is held.
 """
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from augury.models import cpu_kernels
+from augury.cpu import kernels as cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +38,6 @@ INT4_FORMAT = "augury-int4-v1"
 INT4_GROUP = 32
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
-# Rows above which the dense path runs, for 16-bit activations.
-# - CPUs with native bfloat16 GEMMs (AVX512-BF16 / AMX), the demo's linears per token at 2 threads:
-#   1 row: bf16 F.linear 12-26 ms, int8 kernel 7-8 ms, int4 kernel 6-8 ms; 8 rows: bf16 13-17 ms,
-#   int8 25-28 ms, int4 17-23 ms. The kernels grow ~linearly in rows, bf16 stays ~flat, so
-#   they cross at ~4 (int8) and ~5 (int4) rows.
-# - other CPUs (AVX2: bfloat16 emulated), 3072x576 at 1 thread: 8 rows int4 0.67 ms, int8 0.64 ms,
-#   bf16 F.linear 2.9 ms; 256 rows int4 22 ms, int8 22 ms, bf16 93 ms: the kernels win at
-#   every row count, so there is no switch (None) and no dense copy.
-ROW_THRESHOLD_NATIVE_BF16 = {"int8": 4, "int4": 5}
-# float32 activations: the kernels' float32 path is slow (AVX2, demo per token at one row:
-# int4 277 ms, int8 152 ms, F.linear 45 ms), but float32 is the reference mode: the kernels run
-# at every row count there, so float32 quantised runs are row-count invariant and exact.
-
-
 # The output layer's mode for each mode. int4 keeps it at int8 (as llama.cpp's Q4 files keep
 # theirs at 6-8 bits): on the demo, mean |logit error| against float32 in bfloat16 was 0.43 with
 # an int4 output layer (top-1 88.3%), 0.12 with an int8 one (96.6%; native Q4_1 layers: 0.09);
@@ -63,31 +45,16 @@ ROW_THRESHOLD_NATIVE_BF16 = {"int8": 4, "int4": 5}
 OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
 
 
-def native_bf16_gemm() -> bool:
-    cpu = torch.cpu
-    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
-def default_row_threshold(mode: str, dtype: torch.dtype, device: torch.device) -> int | None:
-    """Rows above which a quantised linear of `mode` takes the dense path (None: never)."""
-    if device.type != "cpu" or dtype == torch.float32 or not native_bf16_gemm():
-        return None
-    return ROW_THRESHOLD_NATIVE_BF16[mode]
-
-
 class _QuantLinear(nn.Module):
-    """Shared forward: the quantised kernel up to `row_threshold` rows, the dense copy above."""
+    """Shared forward: the quantised kernel at every row count, then the bias."""
 
     in_features: int
     out_features: int
 
-    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype, row_threshold: int | None) -> None:
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self.row_threshold = row_threshold
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
-        # [out, in] in `dtype`, kept only when a threshold is set
-        self.register_buffer("dense", None, persistent=False)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x [M, in] -> [M, out]
         raise NotImplementedError
@@ -103,62 +70,48 @@ class _QuantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised [out, in] weight (for dtype/device/shape queries and training code;
-        computed on each call unless a dense copy is kept)."""
-        return self.dense if self.dense is not None else self.dequantize()
-
-    def keep_dense(self, dense: torch.Tensor) -> None:
-        if self.row_threshold is not None:
-            self.dense = dense.to(self.dtype).contiguous()
+        computed on each call)."""
+        return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if self.dense is not None and x2.shape[0] > self.row_threshold:
-            y = F.linear(x2, self.dense, self.bias)
-        else:
-            y = self._kernel(x2.contiguous())
-            if self.bias is not None:
-                y = y + self.bias
+        y = self._kernel(x2.contiguous())
+        if self.bias is not None:
+            y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={self.dtype}, row_threshold={self.row_threshold}")
+                f"dtype={self.dtype}")
 
 
 class Int8Linear(_QuantLinear):
     """Per-output-channel symmetric int8: w[n, k] = q[n, k] * scale[n], q in -127..127."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, row_threshold: int | None = None) -> None:
-        super().__init__(bias, dtype, row_threshold)
+                 dtype: torch.dtype) -> None:
+        super().__init__(bias, dtype)
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [N, K]
         self.register_buffer("scales", scales.to(dtype).contiguous())  # [N]
 
     @staticmethod
-    def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   row_threshold: int | None = None) -> "Int8Linear":
+    def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> "Int8Linear":
         w = weight.detach().float()  # [N, K]
         # the scale is rounded to the kernel's dtype first, so the codes fit the scale it will use
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(dtype).float()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # underflowed in 16 bits
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        mod = Int8Linear(q, scale, bias, dtype, row_threshold)
-        mod.keep_dense(q.float() * scale[:, None])
-        return mod
+        return Int8Linear(q, scale, bias, dtype)
 
     def scales_device(self) -> torch.device:
         return self.scales.device
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
-
-    def reference_dequantize(self) -> torch.Tensor:
-        """q * scale in float32 (the value the codes stand for)."""
-        return self.qweight.float() * self.scales.float()[:, None]
 
 
 INT4_BACKENDS = ("torch", "w4a8")
@@ -182,10 +135,10 @@ class Int4Linear(_QuantLinear):
     11.3 ms, 9 rows 30.7 vs 43.4 ms) and rounds the activations (docs/architecture.md)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, row_threshold: int | None = None, backend: str | None = None) -> None:
+                 dtype: torch.dtype, backend: str | None = None) -> None:
         """codes [N, K] integers 0..15; scale, zero [N, K / 32] (any float dtype; rounded to `dtype`);
         backend None = default_int4_backend(dtype)."""
-        super().__init__(bias, dtype, row_threshold)
+        super().__init__(bias, dtype)
         n, k = codes.shape
         if n % INT4_N_MULTIPLE or k % INT4_GROUP:
             raise ValueError(f"int4 needs out_features % {INT4_N_MULTIPLE} == 0 and in_features % {INT4_GROUP} == 0, "
@@ -206,11 +159,10 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2))
             sz = torch.stack([scale, zero], dim=-1)  # [N, K/32, 2]
             self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
-        self.keep_dense(int4_values(codes, scale.float(), zero.float()))
 
     @staticmethod
     def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   row_threshold: int | None = None, backend: str | None = None) -> "Int4Linear":
+                   backend: str | None = None) -> "Int4Linear":
         n, k = weight.shape
         w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
@@ -220,7 +172,7 @@ class Int4Linear(_QuantLinear):
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
-        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, row_threshold, backend)
+        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, backend)
 
     def scales_device(self) -> torch.device:
         return (self.w4a8_scale if self.backend == "w4a8" else self.scales_and_zeros).device
@@ -247,7 +199,7 @@ class Int4Linear(_QuantLinear):
 
 
 class W8A8OutputLinear(nn.Module):
-    """A quantised target's output layer on augury's w8a8 kernel (models/cpu_kernels.py): int8
+    """A quantised target's output layer on augury's w8a8 kernel (augury/cpu): int8
     weights with a float32 scale per group of 32 (GGUF's Q8_0 layout and rule) against activations
     rounded to int8 per group, float32 logits out. Measured on the demo's 49152 x 576 (2 threads,
     paired, median of 7): 1 row 2.0 ms against fbgemm's float16 GEMM 4.4 ms, 4 rows 2.7 vs 4.6,
@@ -304,10 +256,10 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
-                    row_threshold: int | None, name: str = "", _warned: set | None = None) -> nn.Module | None:
+                    name: str = "", _warned: set | None = None) -> nn.Module | None:
     """A quantised module for weight [out, in], or None when `mode` cannot take this shape."""
     if mode == "int8":
-        return Int8Linear.from_float(weight, bias, dtype, row_threshold)
+        return Int8Linear.from_float(weight, bias, dtype)
     n, k = weight.shape
     if n % INT4_N_MULTIPLE or k % INT4_GROUP:
         reason = (f"int4 needs in_features % {INT4_GROUP} == 0 and out_features % {INT4_N_MULTIPLE} == 0 "
@@ -318,7 +270,7 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, 
             if _warned is not None:
                 _warned.add(key)
         return None
-    return Int4Linear.from_float(weight, bias, dtype, row_threshold)
+    return Int4Linear.from_float(weight, bias, dtype)
 
 
 def _dense_linears(module: nn.Module):
@@ -335,28 +287,26 @@ def _swap(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def quantize_linears(root: nn.Module, mode: str, dtype: torch.dtype, device: torch.device,
-                     skip: tuple[str, ...] = (), row_threshold: int | None | str = "default") -> int:
+                     skip: tuple[str, ...] = ()) -> int:
     """Swap every nn.Linear / TransposedLinear under `root` (names in `skip` excepted) for its
     quantised module; returns how many were swapped. Linears the mode cannot take stay dense."""
     if mode not in MODES:
         raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none":
         return 0
-    threshold = default_row_threshold(mode, dtype, device) if row_threshold == "default" else row_threshold
     warned: set = set()
     swapped = 0
     for name, child in list(_dense_linears(root)):
         if name in skip:
             continue
-        new = quantize_linear(child.weight, child.bias, mode, dtype, threshold, name, warned)
+        new = quantize_linear(child.weight, child.bias, mode, dtype, name, warned)
         if new is not None:
             _swap(root, name, new.to(device))
             swapped += 1
     return swapped
 
 
-def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
-                   row_threshold: int | None | str = "default") -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype) -> nn.Module:
     """Quantise a TargetModel's layer stack and output layer in place (the embedding lookup stays
     dense; a tied output layer gets its own quantised copy of the embedding, in
     OUTPUT_LAYER_MODE[mode], or on the w8a8 kernel (bfloat16 on CPUs that build it), or packed for
@@ -364,15 +314,14 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
     Returns `model`, with `model.quantization` set to the mode."""
     device = model.embed_tokens.weight.device
     if mode != "none":
-        quantize_linears(model.layers, mode, dtype, device, row_threshold=row_threshold)
+        quantize_linears(model.layers, mode, dtype, device)
         from augury.models.dense import packed_output_layer
 
         layer = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
         out_mode = OUTPUT_LAYER_MODE[mode]
-        threshold = default_row_threshold(out_mode, dtype, device) if row_threshold == "default" else row_threshold
         head = w8a8_output_layer(layer, dtype, device) or packed_output_layer(layer, dtype, device)
         if head is None:
-            head = quantize_linear(layer.weight, getattr(layer, "bias", None), out_mode, dtype, threshold, "lm_head")
+            head = quantize_linear(layer.weight, getattr(layer, "bias", None), out_mode, dtype, "lm_head")
         if head is not None:
             model.lm_head = head.to(device)
     model.quantization = mode
@@ -380,10 +329,10 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype,
     return model
 
 
-def quantize_head(head: nn.Module, mode: str, row_threshold: int | None | str = "default") -> nn.Module:
+def quantize_head(head: nn.Module, mode: str) -> nn.Module:
     """Quantise an EAGLE-3 head's fc, decoder-layer projections and lm_head in place (its
     embedding, shared with the target, stays dense). `mode` is the target's (`model.quantization`)."""
     p = head.fc.weight
-    quantize_linears(head, mode, p.dtype, p.device, row_threshold=row_threshold)
+    quantize_linears(head, mode, p.dtype, p.device)
     head.quantization = mode
     return head

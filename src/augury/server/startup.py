@@ -105,7 +105,7 @@ def _start_and_serve(args) -> int:
             bind_socket(settings.host, settings.port).close()  # the port is free now: fail before loading
             # the demo may be downloaded, a .gguf file converted (once): failures name this stage
             settings = dataclasses.replace(settings, resolved=resolve.resolve(settings.engine))
-        from augury.engine.builder import build_engine
+        from augury.builder import build_engine
 
         try:
             engine = build_engine(settings.engine, settings.resolved, notify=stages.entered)

@@ -54,8 +54,8 @@ from collections.abc import Sequence
 
 import torch
 
-from augury.engine.request import Request
-from augury.engine.timing import time_call
+from augury.core.request import Request
+from augury.core.timing import time_call
 from augury.speculative.interface import CostSample, Proposer, TargetHost
 from augury.speculative.policy import StepPlan, TreeShape, user_caps
 

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from augury.engine.request import Request
-from augury.engine.stats import EngineStats
+from augury.core.request import Request
+from augury.core.stats import EngineStats
 from augury.speculative.policy import StepPlan, TreeShape
 from augury.speculative.tree import DraftTree
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from augury.engine.request import Request
+from augury.core.request import Request
 from augury.speculative.interface import CostSample, TargetHost
 from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, chain_tree

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from augury.engine.request import Request
+    from augury.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from augury.attention.tree_mask import _num_doublings, _self_rooted, tree_attention_mask  # noqa: F401 (re-exported)
+from augury.attention.tree_mask import num_doublings, self_rooted
 
 
 @dataclass
@@ -72,9 +72,9 @@ class DraftTree:
 
 def depth_from_parents(parents: torch.Tensor) -> torch.Tensor:
     """parents [B, N] (-1 for roots) -> depth [B, N], by list ranking (pointer doubling)."""
-    anc = _self_rooted(parents)
+    anc = self_rooted(parents)
     dist = (parents >= 0).long()  # distance from node to anc[node]
-    for _ in range(_num_doublings(parents.shape[1]) + 1):
+    for _ in range(num_doublings(parents.shape[1]) + 1):
         dist = dist + dist.gather(1, anc)
         anc = anc.gather(1, anc)
     return dist
@@ -99,7 +99,7 @@ def _ancestor_min(scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     anc = torch.cat([torch.where(parents < 0, root, parents), root], dim=1)  # [B, M+1], M = virtual root
     inf = torch.full((b, 1), float("inf"), dtype=scores.dtype, device=scores.device)
     eff = torch.cat([scores, inf], dim=1)
-    for _ in range(_num_doublings(m + 1) + 1):
+    for _ in range(num_doublings(m + 1) + 1):
         eff = torch.minimum(eff, eff.gather(1, anc))
         anc = anc.gather(1, anc)
     return eff[:, :m]

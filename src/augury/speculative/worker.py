@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from augury.config import EngineConfig
-from augury.engine.kv_cache import slot_of
-from augury.engine.request import Request
-from augury.engine.timing import clock
+from augury.core.kv_cache import slot_of
+from augury.core.request import Request
+from augury.core.timing import clock
 from augury.models.config import TargetConfig
-from augury.models.eagle3 import Eagle3Head
+from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import token_logprobs
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, TreeShape
@@ -203,7 +203,7 @@ class DraftPlan:
     def kv_bytes_per_token(self) -> int:
         if self.head is None:
             return 0
-        from augury.engine.kv_cache import KVCache
+        from augury.core.kv_cache import KVCache
 
         return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.dtype)
 
@@ -213,7 +213,7 @@ class DraftPlan:
 
             proposer = NgramProposer()
         else:
-            from augury.speculative.eagle3 import Eagle3Proposer
+            from augury.speculative.eagle3_proposer import Eagle3Proposer
 
             proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size, self.ngram_branch)
         if self.policy == "adaptive":
@@ -248,7 +248,7 @@ def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, 
     else:
         if draft is None:
             raise ValueError("speculative_algorithm eagle3 needs an EAGLE-3 head (draft_model)")
-        from augury.models.eagle3 import load_eagle3
+        from augury.models.eagle3_head import load_eagle3
 
         # the head's linears run in the target's mode (a native-int4 GGUF target: an int4 head)
         head = load_eagle3(draft, tcfg, model.embed_tokens, dtype, device, max_len + 2 * shape.num_steps + 2,

@@ -186,7 +186,7 @@ def _generate_worker(job) -> int:
 
 
 def stage_train(args, folder: Path, work: Path, splits: dict) -> None:
-    from augury.models.eagle3 import default_aux_layers
+    from augury.models.eagle3_head import default_aux_layers
     from augury.models.loader import load_target
     from augury.train.data import load_split, to_samples
     from augury.train.head import build_head, head_config
@@ -248,7 +248,7 @@ def _aux_layers(args, num_layers: int) -> tuple[int, ...] | None:
 
 def stage_export(args, folder: Path, work: Path) -> None:
     from augury.models.config import TargetConfig
-    from augury.models.eagle3 import default_aux_layers
+    from augury.models.eagle3_head import default_aux_layers
     from augury.models.loader import load_target
     from augury.train.head import build_head, export_head, head_config
     from augury.train.vocab import load_vocab

@@ -48,7 +48,7 @@ def evaluate_head(target: str | Path, head: str | Path, prompts: list[Prompt], n
     if varied:
         runs.append(("varied", [Prompt(t) for _, t in varied], True))
     for name, group, batch in runs:
-        from augury.engine.stats import EngineStats
+        from augury.core.stats import EngineStats
 
         llm.engine.stats = EngineStats()
         outs, seconds = _run(llm, group, params, batch)

@@ -3,7 +3,7 @@
 The head copies the target's attention shape (hidden, heads, kv heads, head dim, MLP
 width, rope) so it shares the target's embedding. Initialisation: lm_head rows are the
 target's output rows of the draft vocabulary, norm is the target's final norm; the rest
-is PyTorch's default init. The exported folder is what `augury.models.eagle3.load_eagle3`
+is PyTorch's default init. The exported folder is what `augury.models.eagle3_head.load_eagle3`
 (and SGLang/vLLM) read: config.json + model.safetensors with HF tensor names.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from augury.models.config import TargetConfig
-from augury.models.eagle3 import Eagle3Config, Eagle3Head
+from augury.models.eagle3_head import Eagle3Config, Eagle3Head
 from augury.models.llama import TargetModel
 from augury.train.vocab import mapping_tensors
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from augury.models.eagle3 import Eagle3Head
+from augury.models.eagle3_head import Eagle3Head
 from augury.models.llama import TargetModel
 from augury.train.data import Sample, epoch_batches
 from augury.train.head import head_state, trainable_parameters
@@ -196,7 +196,7 @@ class Trainer:
         """Warm start from an exported head folder (config.json + model.safetensors, as
         export_head writes and augury ships): its tensors, with fc re-expressed for this
         trainer's normalised features (fc(aux / s) must equal the export's W aux, so W' = W s)."""
-        from augury.models.eagle3 import load_eagle3
+        from augury.models.eagle3_head import load_eagle3
 
         head = self.head
         loaded = load_eagle3(folder, self.target.cfg, self.target.embed_tokens, torch.float32,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from augury.models.eagle3 import Eagle3Head
+from augury.models.eagle3_head import Eagle3Head
 from augury.models.layers import apply_rope
 from augury.attention import CausalNoCache
 from augury.models.llama import TargetModel

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from augury.models.config import RopeConfig, TargetConfig, _parse_rope
-from augury.models.layers import RMSNorm, Rotary, apply_rope, attend
+from augury.attention.sdpa import attend
+from augury.models.layers import RMSNorm, Rotary, apply_rope
 from augury.models.llama import MLP
 from augury.models.loader import copy_strict, read_tensors
 
@@ -234,8 +235,8 @@ def load_eagle3(folder: str | Path, target_cfg: TargetConfig, target_embed: nn.E
 
         quantize_head(head, quantization)
     else:
-        from augury.models.dense import half_gemm_available, pack_half_linears
+        from augury.models.dense import fbgemm_half_available, pack_half_linears
 
-        if half_gemm_available(dtype, device):
+        if fbgemm_half_available(dtype, device):
             pack_half_linears(head, dtype)  # drafts need no row-count invariance: never padded
     return head

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from augury.attention import masked_metadata
-from augury.engine.kv_cache import KVCache, slot_of
-from augury.engine.request import Request
-from augury.engine.timing import time_call
+from augury.core.kv_cache import KVCache, slot_of
+from augury.core.request import Request
+from augury.core.timing import time_call
 from augury.models.config import TargetConfig
-from augury.models.eagle3 import Eagle3Head, default_aux_layers
+from augury.models.eagle3_head import Eagle3Head, default_aux_layers
 from augury.speculative.interface import CostSample, TargetHost
 from augury.speculative.ngram import lookup
 from augury.speculative.policy import TreeShape

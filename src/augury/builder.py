@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from augury.attention import TorchPagedBackend
+from augury.attention import PagedBackend
 from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
-from augury.engine.kv_cache import BlockAllocator, KVCache
-from augury.engine.stats import EngineStats
+from augury.core.kv_cache import BlockAllocator, KVCache
+from augury.core.stats import EngineStats
 from augury.models.loader import load_target
 from augury.models.tokenizer import eos_ids, load_tokenizer
 from augury.sampling_params import SamplingParams
@@ -68,7 +68,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         # Optional stage: a kernel that cannot be built or loaded warns and torch's kernels run
         # (models/cpu_kernels.py); built once per source and compiler into the user cache. If the
         # stage itself fails, every kernel is turned off: the engine runs torch's, never half of each.
-        from augury.models import cpu_kernels
+        from augury.cpu import kernels as cpu_kernels
 
         try:
             with stage("CPU kernels", notify):
@@ -103,7 +103,7 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
                              f"tokens (under {MIN_CONTEXT}); raise num_kv_blocks or kv_cache_memory_gb")
         kv = KVCache(tcfg.num_layers, num_blocks, bs, tcfg.num_kv_heads, tcfg.head_dim, dtype, device)
         speculator = plan.build(num_blocks, bs, config.max_num_seqs) if plan is not None else None
-        attention = TorchPagedBackend(kv.k, kv.v, bs)
+        attention = PagedBackend(kv.k, kv.v, bs)
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
                         max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator)
     try:

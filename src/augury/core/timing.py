@@ -17,8 +17,11 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def time_call(fn: Callable[[], object], device: torch.device, reps: int = 2) -> float:
-    """Median seconds of `reps` calls after one warm-up call, each timed to the device's completion."""
+def time_call(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
+    """Median seconds of `reps` calls (an odd count, at least 3: a median of two is their mean) after
+    one warm-up call, each timed to the device's completion."""
+    if reps < 3 or reps % 2 == 0:
+        raise ValueError(f"time_call needs an odd number of repeats >= 3, got {reps}")
     fn()
     times = []
     for _ in range(reps):

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from augury.engine.kv_cache import block_key
+from augury.core.kv_cache import block_key
 from augury.outputs import SpecStats
 from augury.sampling_params import SamplingParams
 

@@ -1,27 +1,27 @@
-"""augury's own CPU kernels: C++ sources in models/kernels/, built at first use by the system's
+"""augury's own CPU kernels: C++ sources in cpu/csrc/, built at first use by the system's
 C++ compiler into the user cache (<cache>/kernels/, keyed by source, flags and compiler) and
 loaded with ctypes. When a kernel cannot be built or loaded (no compiler, not x86-64 with AVX2
 and FMA, AUGURY_CPU_KERNELS=0, a failed build or self-check), augury warns once and the callers
 run torch's kernels instead: a model never comes up half-built.
 
-w4a8 (kernels/w4a8.cpp): int4 weights in groups of 32 (a scale and a zero per group, torch's
+w4a8 (csrc/w4a8.cpp): int4 weights in groups of 32 (a scale and a zero per group, torch's
 convention w = (q - 8) s + z) against activations rounded per row to int8 in the same groups, the
 integer dot products summed exactly (AVX2 maddubs). It computes every output row in one fixed
 order whatever the other rows and the threads, so rows are row-count invariant (figures against
 torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 
-w8a8 (kernels/w8a8.cpp): int8 weights with a float32 scale per group of 32 (GGUF's Q8_0) against the
+w8a8 (csrc/w8a8.cpp): int8 weights with a float32 scale per group of 32 (GGUF's Q8_0) against the
 same int8 activations, float32 out: a quantised target's output layer.
 
-bf16 (kernels/bf16.cpp): dense bfloat16 weights repacked in panels of 8 columns against float32
+bf16 (csrc/bf16.cpp): dense bfloat16 weights repacked in panels of 8 columns against float32
 activations, float32 sums in a fixed order (row-count invariant): a dense bfloat16 target on CPUs
 without native bfloat16 GEMMs.
 
-attention (kernels/attention.cpp): exact attention rows, each over its own slot list read in place
-from the paged KV cache, float32. elementwise (kernels/elementwise.cpp): RMSNorm of the float32
+attention (csrc/attention.cpp): exact attention rows, each over its own slot list read in place
+from the paged KV cache, float32. elementwise (csrc/elementwise.cpp): RMSNorm of the float32
 residual stream, the rotary embedding and silu(gate) * up, float32, rounded once.
 
-forward (kernels/forward.cpp): the whole layer stack of a bfloat16 int4 target in one call, built
+forward (csrc/forward.cpp): the whole layer stack of a bfloat16 int4 target in one call, built
 from the same row functions (the kernels' *.h), bit for bit what the layer-by-layer path computes;
 models/fused.py decides when it runs.
 
@@ -31,86 +31,25 @@ process), as many as torch.get_num_threads().
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import math
 import logging
+import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from augury.config import CPU_KERNELS_VAR, cache_root, cpu_kernels_enabled
+from augury.config import CPU_KERNELS_VAR, cpu_kernels_enabled
+from augury.cpu import isa
+from augury.cpu.build import KernelUnavailable, build
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).with_name("kernels")
-FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 GROUP = 32
 CHUNK = 8  # groups the kernel reduces together: per-group arrays are padded to a multiple of this
-BUILD_TIMEOUT_S = 300
+NAMES = ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward")
 
 _cache: dict[str, object] = {}
-
-
-class KernelUnavailable(RuntimeError):
-    """A kernel could not be built or loaded here (the message says why)."""
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-
-
-def _cpu_supported() -> str | None:
-    """Why this CPU cannot run the kernels, or None."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"needs an x86-64 CPU (this is {platform.machine()})"
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        return f"needs AVX2 and FMA (torch reports CPU capability {cap})"
-    return None
-
-
-def build(name: str) -> Path:
-    """Compile kernels/<name>.cpp into the cache (once; reused while source, flags and compiler
-    stay the same) and return the shared library's path. Raises KernelUnavailable."""
-    src = SOURCE_DIR / f"{name}.cpp"
-    cxx = _compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
-    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # included by every source
-    key = hashlib.sha256("\0".join([src.read_text(), *headers, *FLAGS, version]).encode()).hexdigest()[:16]
-    folder = cache_root() / "kernels"
-    lib = folder / f"{name}-{key}.so"
-    if lib.is_file():
-        return lib
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KernelUnavailable(f"cannot create {folder}: {e}") from e
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run([cxx, *FLAGS, str(src), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise KernelUnavailable(f"{cxx} failed on {src.name}: {' / '.join(tail)}")
-        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {src.name} failed: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built augury CPU kernel %s (%s)", lib.name, cxx)
-    return lib
+_warned: set[str] = set()  # reasons already warned about: one warning each, not one per kernel
 
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -174,7 +113,7 @@ class W4A8:
 
 
 class W8A8:
-    """The loaded w8a8 kernel (kernels/w8a8.cpp)."""
+    """The loaded w8a8 kernel (csrc/w8a8.cpp)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -215,7 +154,7 @@ class W8A8:
 
 
 class BF16:
-    """The loaded dense bfloat16 kernel (kernels/bf16.cpp)."""
+    """The loaded dense bfloat16 kernel (csrc/bf16.cpp)."""
 
     PANEL = 8
 
@@ -263,8 +202,8 @@ class BF16:
         return y
 
 
-class Attention:
-    """The loaded exact-rows attention kernel (kernels/attention.cpp)."""
+class AttentionKernel:
+    """The loaded exact-rows attention kernel (csrc/attention.cpp)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -298,7 +237,7 @@ class Attention:
 
 
 class Elementwise:
-    """The loaded per-row kernels (kernels/elementwise.cpp): RMSNorm of a float32 stream, rotary."""
+    """The loaded per-row kernels (csrc/elementwise.cpp): RMSNorm of a float32 stream, rotary."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -350,7 +289,7 @@ class Elementwise:
 
 
 class Forward:
-    """The loaded whole-stack kernel (kernels/forward.cpp); models/fused.py builds its arguments."""
+    """The loaded whole-stack kernel (csrc/forward.cpp); models/fused.py builds its arguments."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -391,7 +330,7 @@ def _bf16_self_check(k: BF16) -> None:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
-def _attention_self_check(k: Attention) -> None:
+def _attention_self_check(k: AttentionKernel) -> None:
     """One row over two keys against the softmax written out."""
     q = torch.ones(1, 1, 8)
     kc = torch.stack([torch.zeros(1, 8), torch.full((1, 8), 0.25)])  # [2 slots, 1 head, 8]
@@ -428,22 +367,36 @@ def _forward_self_check(k: Forward) -> None:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
+def _warn_once(reason: str, name: str) -> None:
+    if reason in _warned:
+        log.info("augury's %s CPU kernel: %s", name, reason)
+    else:
+        _warned.add(reason)
+        log.warning("augury's CPU kernels: %s; torch's kernels run instead", reason)
+
+
+def level() -> str | None:
+    """The ISA level the kernels run at (cpu/isa.py), or None where they cannot run here."""
+    return isa.selected_level() if isa.why_unsupported() is None else None
+
+
 def _load(name: str, make, check) -> object | None:
-    """Build, load and self-check kernel `name` once; None (after one warning) where it cannot run."""
+    """Build, load and self-check kernel `name` once; None (after one warning per reason) where it
+    cannot run."""
     if name in _cache:
         return _cache[name]
     kernel = None
     if not cpu_kernels_enabled():
         log.info("augury CPU kernels off (%s=%s): torch's kernels run", CPU_KERNELS_VAR,
                  os.environ.get(CPU_KERNELS_VAR))
-    elif (why := _cpu_supported()) is not None:
-        log.warning("augury's %s CPU kernel %s; torch's kernels run instead", name, why)
+    elif (why := isa.why_unsupported()) is not None:
+        _warn_once(why, name)
     else:
         try:
-            kernel = make(build(name))
+            kernel = make(build(name, isa.selected_level()))
             check(kernel)
-        except (KernelUnavailable, OSError, AttributeError, ValueError) as e:
-            log.warning("augury's %s CPU kernel is unavailable (%s); torch's kernels run instead", name, e)
+        except (RuntimeError, OSError, AttributeError, ValueError) as e:  # KernelUnavailable is a RuntimeError
+            _warn_once(f"{name} is unavailable ({e})", name)
             kernel = None
     _cache[name] = kernel
     return kernel
@@ -464,9 +417,9 @@ def bf16() -> BF16 | None:
     return _load("bf16", BF16, _bf16_self_check)  # type: ignore[return-value]
 
 
-def attention() -> Attention | None:
+def attention() -> AttentionKernel | None:
     """The exact-rows attention kernel, built and loaded on first use; None where it cannot run."""
-    return _load("attention", Attention, _attention_self_check)  # type: ignore[return-value]
+    return _load("attention", AttentionKernel, _attention_self_check)  # type: ignore[return-value]
 
 
 def elementwise() -> Elementwise | None:
@@ -482,17 +435,18 @@ def forward() -> Forward | None:
 def load_all() -> dict[str, bool]:
     """Build (or find in the cache) and load every kernel now, as the engine's "CPU kernels" start-up
     stage does, rather than at first use; name -> whether it runs here (each that cannot warned once)."""
-    return {name: fn() is not None for name, fn in (("w4a8", w4a8), ("w8a8", w8a8), ("bf16", bf16),
-                                                    ("attention", attention), ("elementwise", elementwise),
-                                                    ("forward", forward))}
+    loaders = {"w4a8": w4a8, "w8a8": w8a8, "bf16": bf16, "attention": attention, "elementwise": elementwise,
+               "forward": forward}
+    return {name: loaders[name]() is not None for name in NAMES}
 
 
 def disable_all() -> None:
     """Every kernel off for this process (the start-up stage failed): torch's kernels run."""
-    for name in ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward"):
+    for name in NAMES:
         _cache[name] = None
 
 
 def reset() -> None:
     """Forget what the kernel loaders found (tests)."""
     _cache.clear()
+    _warned.clear()

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from augury.attention.tree_mask import tree_attention_mask
-from augury.models.layers import attend
+from augury.cpu import kernels as cpu_kernels
+from augury.attention.base import FusedRows
+from augury.attention.sdpa import attend
 
 # Exact attention (the target's forwards): a single-query row reads its keys in position order,
 # padded with masked keys to a multiple of KEY_ALIGN. On CPUs such a row comes out bit for bit the
@@ -188,8 +190,8 @@ def exact_rows(parents: torch.Tensor, bt: torch.Tensor, block_size: int, ctx_len
     return ExactRows(len(rows_kept), tuple(groups))
 
 
-class TorchStepAttention:
-    """One step's attention (models.layers.PagedAttention): layer i writes its new keys and values
+class StepAttention:
+    """One step's attention (attention.base.PagedAttention): layer i writes its new keys and values
     into the cache at the step's slots, then attends exactly (ExactRows) or through one mask."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -228,7 +230,7 @@ class TorchStepAttention:
     @classmethod
     def kernel_rows(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     slots: torch.Tensor, nkeys: torch.Tensor, compute_dtype: torch.dtype | None = None
-                    ) -> "TorchStepAttention":
+                    ) -> "StepAttention":
         """Exact rows on augury's attention kernel from their slot lists directly: row r reads the
         first nkeys[r] of slots [R, W] (int64) and writes its key and value to slot_mapping[r]."""
         att = cls(k_cache, v_cache, slot_mapping, None, ExactRows(slots.shape[0], ()), compute_dtype)
@@ -237,7 +239,7 @@ class TorchStepAttention:
         att.kernel_calls = [(slice(0, slots.shape[0]), slots, nkeys)]
         return att
 
-    def fused_rows(self):
+    def fused_rows(self) -> FusedRows | None:
         """For the fused layer stack (models/fused.py): (k_cache, v_cache, slot_mapping [R], slots [R, W],
         nkeys [R] int32), every row's keys in one table, or None where this step's attention is not
         exact rows on augury's kernel. Built once per step."""
@@ -254,7 +256,7 @@ class TorchStepAttention:
                 for rows, s, n in self.kernel_calls:
                     slots[rows, : s.shape[1]] = s
                     nkeys[rows] = n
-            self._fused_rows = (self.k_cache, self.v_cache, self.slot_mapping.contiguous(), slots, nkeys)
+            self._fused_rows = FusedRows(self.k_cache, self.v_cache, self.slot_mapping.contiguous(), slots, nkeys)
         return self._fused_rows
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
@@ -321,8 +323,6 @@ def _attention_kernel(k_cache: torch.Tensor):
     if (k_cache.device.type != "cpu" or k_cache.dtype not in (torch.bfloat16, torch.float32)
             or k_cache.shape[-1] % 8 or not k_cache.is_contiguous()):
         return None
-    from augury.models import cpu_kernels
-
     return cpu_kernels.attention()
 
 
@@ -333,22 +333,27 @@ class CausalNoCache:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attend(q, k, v, None, None, None, True)
 
+    def fused_rows(self) -> None:
+        return None
 
-class TorchPagedBackend:
+
+class PagedBackend:
     """AttentionBackend over one model's paged cache (k_cache/v_cache [layers, slots, nkv, hd]).
 
     merge_widths lets exact rows with different key counts share one call, padded to the widest
     (bit-exact in WIDTH_FREE_DTYPES); otherwise rows are grouped by padded width, and a batch
     needing more than MAX_EXACT_GROUPS calls falls back to one masked call.
 
-    A 16-bit cache on a CPU without native bfloat16 arithmetic (AVX2: torch emulates it) attends
-    in float32: the keys and values are upcast exactly after the gather and the output is rounded
-    once. Measured on such a CPU (one thread, 9 query / 3 KV heads of 64, one query): bfloat16
+    A 16-bit cache on a CPU attends in float32: the keys and values are upcast exactly after the
+    gather and the output is rounded once. On CPUs with native bfloat16 too: there torch's bfloat16
+    attention is faster, but its bits depend on how the rows are batched (a prompt prefilled after a
+    prefix-cache hit came out other than the same prompt prefilled whole, AVX512-BF16 EPYC), so
+    float32 is the one path on every CPU. On an AVX2 CPU float32 is also the fast one. Measured on such a CPU (one thread, 9 query / 3 KV heads of 64, one query): bfloat16
     SDPA 126 us at 112 keys and 627 us at 512, float32 29 us and 83 us. Float32 rows keep the
     properties exact attention stands on (WIDTH_FREE_DTYPES), so verification stays decoding.
     """
 
-    name = "torch-exact"
+    name = "paged-exact"
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
                  merge_widths: bool | None = None, compute_dtype: torch.dtype | None = None) -> None:
@@ -356,25 +361,23 @@ class TorchPagedBackend:
         self.block_size = block_size
         self.device = k_cache.device
         if compute_dtype is None and k_cache.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu":
-            from augury.models.quant import native_bf16_gemm
-
-            compute_dtype = None if native_bf16_gemm() else torch.float32
+            compute_dtype = torch.float32
         self.compute_dtype = compute_dtype
         widths_free = (compute_dtype or k_cache.dtype) in WIDTH_FREE_DTYPES
         self.merge_widths = widths_free if merge_widths is None else merge_widths
 
     def prepare_prefill(self, block_tables: list[list[int]], ctx_lens: list[int],
-                        q_lens: list[int]) -> TorchStepAttention:
+                        q_lens: list[int]) -> StepAttention:
         q = max(q_lens)
         parents = torch.full((len(q_lens), 1), -1) if q == 1 else None  # one-token chunks are decode steps
         return self._prepare(block_tables, ctx_lens, q_lens, parents)
 
-    def prepare_decode(self, block_tables: list[list[int]], ctx_lens: list[int]) -> TorchStepAttention:
+    def prepare_decode(self, block_tables: list[list[int]], ctx_lens: list[int]) -> StepAttention:
         if min(ctx_lens) > 0 and self.device.type == "cpu" and _attention_kernel(self.k_cache) is not None:
             return self._decode_rows(block_tables, ctx_lens)
         return self._prepare(block_tables, ctx_lens, [1] * len(ctx_lens), torch.full((len(ctx_lens), 1), -1))
 
-    def _decode_rows(self, block_tables: list[list[int]], ctx_lens: list[int]) -> TorchStepAttention:
+    def _decode_rows(self, block_tables: list[list[int]], ctx_lens: list[int]) -> StepAttention:
         """A decode step on augury's attention kernel: each row's slots (its context in position order,
         then its new token) built in a few tensor operations, with no width groups, padding or mask
         (the kernel reads only a row's first nkeys slots): the keys exact_rows would give it, in the
@@ -387,16 +390,16 @@ class TorchPagedBackend:
         pos = torch.minimum(torch.arange(width)[None, :], ctx[:, None])
         slots = (bt.gather(1, pos // bs) * bs + pos % bs).contiguous()  # [B, W]
         slot_mapping = slots.gather(1, ctx[:, None]).view(-1).contiguous()
-        return TorchStepAttention.kernel_rows(self.k_cache, self.v_cache, slot_mapping, slots,
+        return StepAttention.kernel_rows(self.k_cache, self.v_cache, slot_mapping, slots,
                                               (ctx + 1).to(torch.int32), self.compute_dtype)
 
     def prepare_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor
-                     ) -> TorchStepAttention:
+                     ) -> StepAttention:
         n = parents.shape[1]
         return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
 
     def prepare_packed_tree(self, block_tables: list[list[int]], ctx_lens: list[int], parents: torch.Tensor,
-                            sizes: list[int]) -> TorchStepAttention | None:
+                            sizes: list[int]) -> StepAttention | None:
         """Only the first sizes[b] nodes of each tree, packed into one row of sum(sizes) queries (b-major):
         node i of request b is still written to cache position ctx_lens[b] + i. None when the exact
         path cannot take the batch (the caller then verifies the padded trees)."""
@@ -410,18 +413,18 @@ class TorchPagedBackend:
         rows = exact_rows(parents.cpu(), bt, bs, ctx_lens, slots.view(b, n), self.merge_widths, keep)
         if rows is None:
             return None
-        return TorchStepAttention(self.k_cache, self.v_cache, slots[torch.tensor(keep, device=dev)], None, rows,
+        return StepAttention(self.k_cache, self.v_cache, slots[torch.tensor(keep, device=dev)], None, rows,
                                   self.compute_dtype)
 
-    def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree: bool = False) -> TorchStepAttention:
+    def _prepare(self, block_tables, ctx_lens, q_lens, parents, tree: bool = False) -> StepAttention:
         q_width, bs, dev = max(q_lens), self.block_size, self.device
         if parents is not None and max(ctx_lens) > 0 and all(x == q_width for x in q_lens):
             bt = _block_table(block_tables, _width(ctx_lens, q_width, bs), dev)
             slots = _new_slots(bt, ctx_lens, q_lens, q_width, bs)
             rows = exact_rows(parents, bt, bs, ctx_lens, slots.view(len(q_lens), q_width), self.merge_widths)
             if rows is not None:  # no mask needed: every query reads exactly its own keys
-                return TorchStepAttention(self.k_cache, self.v_cache, slots, None, rows, self.compute_dtype)
+                return StepAttention(self.k_cache, self.v_cache, slots, None, rows, self.compute_dtype)
         # the masked fallback: a tree's ancestor mask, built only here (the exact path needs none)
         tree_mask = tree_attention_mask(parents).to(dev) if tree else None
         meta = masked_metadata(block_tables, ctx_lens, q_lens, q_width, bs, dev, tree_mask)
-        return TorchStepAttention(self.k_cache, self.v_cache, meta.slot_mapping, meta, None, self.compute_dtype)
+        return StepAttention(self.k_cache, self.v_cache, meta.slot_mapping, meta, None, self.compute_dtype)
