@@ -77,9 +77,12 @@ def build(name: str, level: str) -> Path:
     if cxx is None:
         raise KernelUnavailable(f"no C++ compiler found (CXX={os.environ.get('CXX', '')!r}; set CXX or install g++)")
     try:
-        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        probe = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"{' '.join(cxx)} --version failed: {e}") from e
+        raise KernelUnavailable(f"the C++ compiler {' '.join(cxx)} does not run ({e})") from e
+    if probe.returncode != 0:  # not a compiler (CXX=false): the same message for every kernel, warned once
+        raise KernelUnavailable(f"the C++ compiler {' '.join(cxx)} does not run (--version exited {probe.returncode})")
+    version = probe.stdout
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # included by every source
     fl = flags(level)
     key = hashlib.sha256("\0".join([src.read_text(), *headers, *fl, version]).encode()).hexdigest()[:16]
@@ -103,10 +106,11 @@ def build(name: str, level: str) -> Path:
                                   timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-                raise KernelUnavailable(f"{' '.join(cxx)} failed on {src.name} ({level}): {' / '.join(tail)}")
+                # no kernel name here (the loader adds it): one cause failing every kernel reads the same
+                raise KernelUnavailable(f"{' '.join(cxx)} failed ({level}, exit {done.returncode}): {' / '.join(tail)}")
             os.replace(tmp, folder / lib_name)  # atomic: a concurrent build of the same key writes the same bytes
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelUnavailable(f"building {src.name} ({level}) failed: {e}") from e
+            raise KernelUnavailable(f"building for {level} failed: {e}") from e
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
