@@ -184,6 +184,12 @@ def test_server_info_tells_running_code_apart(server: ServerProcess, model: str)
     assert paths["augury.server.app"]["path"] == str(Path(SRC) / "augury" / "server" / "app.py")
     assert paths["augury.engine.engine"]["sha256_at_start"]
     assert info["modules_changed_on_disk"] == []
+    from augury.cpu import isa
+
+    cpu_info = info["engine"]["cpu"]  # the server's own process reports the ISA its kernels run
+    assert cpu_info["host_isa"] == isa.host_level()
+    if isa.host_level() is not None and cpu_info["kernels"].get("w4a8"):
+        assert cpu_info["kernels_isa"] in isa.LEVELS
 
 
 def test_metrics_names(server: ServerProcess, client: openai.OpenAI, model: str) -> None:
@@ -194,6 +200,10 @@ def test_metrics_names(server: ServerProcess, client: openai.OpenAI, model: str)
                  "augury:spec_num_draft_tokens", "augury:time_to_first_token_seconds",
                  "augury:request_success_total"):
         assert name in text, name
+    from augury.cpu import isa
+
+    if isa.host_level() is not None:
+        assert f'host_isa="{isa.host_level()}"' in text  # augury:cpu_kernels_info
 
 
 def test_prefix_cache_hits_are_in_usage_and_metrics(server: ServerProcess, client: openai.OpenAI,

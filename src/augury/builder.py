@@ -66,15 +66,18 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         torch.set_num_threads(config.threads)
     if device.type == "cpu":
         # Optional stage: a kernel that cannot be built or loaded warns and torch's kernels run
-        # (models/cpu_kernels.py); built once per source and compiler into the user cache. If the
+        # (augury/cpu); built once per source, ISA level and compiler into the user cache. If the
         # stage itself fails, every kernel is turned off: the engine runs torch's, never half of each.
+        from augury import cpu
         from augury.cpu import kernels as cpu_kernels
 
         try:
             with stage("CPU kernels", notify):
                 t0 = time.perf_counter()
                 ready = cpu_kernels.load_all()
-                log.info("CPU kernels in %.1f s: %s", time.perf_counter() - t0,
+                status = cpu.status()
+                log.info("CPU kernels in %.1f s, built for %s (CPU: %s): %s", time.perf_counter() - t0,
+                         status["kernels_isa"], status["host_isa"],
                          ", ".join(f"{k} {'on' if v else 'off'}" for k, v in ready.items()))
         except StartupError as exc:
             log.warning("stage 'CPU kernels' failed (%s); torch's kernels run instead", exc.cause)

@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from augury import cpu
+
 _PACKAGES = ("torch", "transformers", "tokenizers", "fastapi", "uvicorn", "pydantic", "prometheus-client")
 
 
@@ -70,6 +72,7 @@ class ServerInfo:
             "speculator": None if engine.speculator is None else type(engine.speculator).__name__,
             "tokenizer": None if engine.tokenizer is None else type(engine.tokenizer).__name__,
             "engine_config": cfg.to_dict(),
+            "cpu": cpu.status(),
         }
         modules = {name: (path, _sha256(path)) for name, path in loaded_module_files().items()}
         return ServerInfo(settings, described, stage_seconds, modules=modules)  # live: HTTP lands later

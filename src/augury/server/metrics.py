@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from augury import cpu
 from augury.server.engine_loop import Snapshot
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -47,6 +48,14 @@ class _EngineCollector(Collector):
         yield self._gauge("augury:spec_num_draft_tokens",
                           "Draft tokens per request chosen at the last decode step (0 = speculation off).",
                           s.last_draft_tokens)
+        cpu_now = cpu.status()
+        kernels = GaugeMetricFamily("augury:cpu_kernels_info",
+                                    "1 for each of augury's CPU kernels that runs, with the ISA level it was built "
+                                    "for and the CPU's own.", labels=["model_name", "kernel", "isa", "host_isa"])
+        for name, on in cpu_now["kernels"].items():
+            kernels.add_metric([self._model, name, str(cpu_now["kernels_isa"]), str(cpu_now["host_isa"])],
+                               1.0 if on else 0.0)
+        yield kernels
         rates = GaugeMetricFamily("augury:spec_acceptance_rate",
                                   "Acceptance rate of the draft token at each depth (position 1 = first draft).",
                                   labels=["model_name", "position"])
