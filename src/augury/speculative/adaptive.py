@@ -50,7 +50,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -334,17 +334,11 @@ class AdaptivePolicy:
                 g = self.goodput_of(b, deff, times, pick)
                 if g > best_g:
                     best_d, best_g, best = deff, g, pick
-        if best_d and self.steps % EXPLORE_EVERY == 0:
-            # re-measure the depth seen longest ago, with the requests that draft now
-            bucket = _bucket(b)
-            best_d = min(self.depths(), key=lambda d: self.last_seen.get((bucket, d), -1))
-            opts = self._options(best_d, caps, expected, whole=True)
-            best = {row: opts[row][0] for row in best if opts[row]}
-        elif not best_d and self.steps % REVISIT_EVERY == 0:
-            cheapest = self.depths()[0]
-            if self.goodput(b, cheapest, times) > 0.5 * plain:  # a cheap look: every request that may draft
-                opts = self._options(cheapest, caps, expected, whole=True)
-                best_d, best = cheapest, {row: o[0] for row, o in enumerate(opts) if o}
+        depth, explored = self._explore(b, best_d, lambda d: self.goodput(b, d, times) > 0.5 * plain)
+        if explored:  # with the requests that draft now; on a revisit, every request that may draft
+            opts = self._options(depth, caps, expected, whole=True)
+            best = {row: opts[row][0] for row in (best if best_d else range(b)) if opts[row]}
+            best_d = depth
         self.choices[best_d] = self.choices.get(best_d, 0) + 1
         if not best_d or not best:
             # nobody learns in a plain step; a request's own record fades towards the batch-level
@@ -363,6 +357,18 @@ class AdaptivePolicy:
                     for row, cap in enumerate(caps))
         return StepPlan(self.shape_for(best_d), out)
 
+    def _explore(self, batch: int, depth: int, look_pays: Callable[[int], bool]) -> tuple[int, bool]:
+        """(depth to run, whether it is an exploration step), the one exploration rule of `plan` and
+        `choose`: every EXPLORE_EVERY steps while drafting, the depth measured longest ago (so an early
+        noisy measurement cannot keep a depth out of use for good); every REVISIT_EVERY steps while
+        not drafting, the cheapest depth, where `look_pays(depth)` says a look is worth it."""
+        if depth and self.steps % EXPLORE_EVERY == 0:
+            bucket = _bucket(batch)
+            return min(self.depths(), key=lambda d: self.last_seen.get((bucket, d), -1)), True
+        if not depth and self.steps % REVISIT_EVERY == 0 and look_pays(self.depths()[0]):
+            return self.depths()[0], True
+        return depth, False
+
     def _idle(self, reqs: Sequence[Request], drafting: dict[int, tuple[int, float]]) -> None:
         """Requests that do not draft while others do drift back towards the batch-level rates."""
         for row, r in enumerate(reqs):
@@ -375,16 +381,9 @@ class AdaptivePolicy:
         if self.threshold is not None and batch_size > self.threshold:
             return None
         self.steps += 1
-        depth = self.best_depth(batch_size)
-        if depth and self.steps % EXPLORE_EVERY == 0:
-            # refresh the depth whose time and acceptance were measured longest ago, so an early
-            # noisy measurement cannot keep a depth out of use for good
-            bucket = _bucket(batch_size)
-            depth = min(self.depths(), key=lambda d: self.last_seen.get((bucket, d), -1))
-        elif not depth and self.steps % REVISIT_EVERY == 0:
-            cheapest = self.depths()[0]
-            if self.goodput(batch_size, cheapest) > 0.5 * self.goodput(batch_size, 0):
-                depth = cheapest  # a cheap look at whether drafting pays again
+        plain = self.goodput(batch_size, 0)
+        depth, _ = self._explore(batch_size, self.best_depth(batch_size),
+                                 lambda d: self.goodput(batch_size, d) > 0.5 * plain)
         self.choices[depth] = self.choices.get(depth, 0) + 1
         return self.shape_for(depth) if depth else None
 
