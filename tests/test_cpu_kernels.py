@@ -64,7 +64,7 @@ def test_w4a8_matches_its_reference(kernel, k) -> None:
 
 
 @needs_kernel
-def test_w4a8_bias_and_output_dtypes(kernel) -> None:
+def test_w4a8_output_dtypes(kernel) -> None:
     codes, scale, zero = _parts(32, 96)
     packed = kernel.pack(codes, scale, zero)
     x = torch.randn(5, 96).to(torch.bfloat16)
@@ -73,8 +73,23 @@ def test_w4a8_bias_and_output_dtypes(kernel) -> None:
     assert torch.equal(kernel.linear(x, *packed), f32.to(torch.bfloat16))
     # a float32 input holding the same values gives the same bits
     assert torch.equal(kernel.linear(x.float(), *packed, out_dtype=torch.float32), f32)
-    bias = torch.randn(32)
-    torch.testing.assert_close(kernel.linear(x, *packed, bias=bias, out_dtype=torch.float32), f32 + bias)
+
+
+def test_w4a8_linear_has_no_bias_path() -> None:
+    """No caller passes the kernel a bias (Int4Linear adds its own): the C bias path is gone."""
+    import inspect
+
+    assert "bias" not in inspect.signature(cpu_kernels.W4A8.linear).parameters
+
+
+def test_serial_rounding_below_a_few_rows_is_written_once() -> None:
+    """The "round the rows serially below 16 rows, else inside the parallel region" block lives in
+    one function of a shared header, not in each kernel's .cpp."""
+    import re
+
+    for src in sorted(build.SOURCE_DIR.glob("*.cpp")):
+        text = src.read_text()
+        assert not re.search(r"\bM\s*(<|>=)\s*16\b", text), src.name
 
 
 @needs_kernel
@@ -138,6 +153,91 @@ def test_w4a8_rejects_bad_inputs(kernel) -> None:
         kernel.linear(torch.randn(2, 64, dtype=torch.float16), *packed)
     with pytest.raises(ValueError, match="in_features"):
         kernel.pack(torch.zeros(16, 40, dtype=torch.int32), scale, zero)
+
+
+@needs_kernel
+def test_w4a8_rejects_bad_weights(kernel) -> None:
+    """Scale and zero bfloat16 [N, Gp] (Gp = K / 32 padded to a multiple of 8), codes uint8
+    [N, K / 32, 16], all contiguous: anything else is a ValueError naming the tensor, not a read out
+    of bounds or garbage."""
+    codes, scale, zero = _parts(16, 64)
+    c, s, z = kernel.pack(codes, scale, zero)  # G = 2, Gp = 8
+    x = torch.randn(2, 64)
+    kernel.linear(x, c, s, z)
+    bad = {
+        "scale": [s.float(), s[:, :2].contiguous(), s[:, :4].contiguous(), s[:8], torch.cat([s, s], 1)[:, ::2],
+                  torch.zeros(16, 16, dtype=torch.bfloat16)],
+        "zero": [z.half(), z[:, :2].contiguous(), z[:15], torch.cat([z, z], 1)[:, ::2]],
+        "codes": [c.to(torch.int8), c.to(torch.int32), c[:, :, :8].contiguous(), c.view(16, 32),
+                  torch.cat([c, c], 2)[:, :, ::2]],
+    }
+    for what, tensors in bad.items():
+        for t in tensors:
+            args = {"codes": c, "scale": s, "zero": z} | {what: t}
+            with pytest.raises(ValueError, match=what):
+                kernel.linear(x, args["codes"], args["scale"], args["zero"])
+
+
+@needs_kernel
+def test_w8a8_rejects_bad_weights() -> None:
+    k8 = cpu_kernels.w8a8()
+    codes, scale = k8.pack(torch.randn(16, 64))
+    x = torch.randn(2, 64)
+    k8.linear(x, codes, scale)
+    for what, c, s in (("codes", codes.to(torch.int32), scale), ("codes", codes[:, ::2], scale),
+                       ("codes", torch.cat([codes, codes], 1)[:, ::2], scale),
+                       ("scale", codes, scale.to(torch.bfloat16)), ("scale", codes, scale[:, :2].contiguous()),
+                       ("scale", codes, scale[:8]), ("scale", codes, torch.cat([scale, scale], 1)[:, ::2])):
+        with pytest.raises(ValueError, match=what):
+            k8.linear(x, c, s)
+
+
+@needs_kernel
+def test_bf16_linear_rejects_bad_panels() -> None:
+    """More columns than the panels hold would read past them; panels must be [P, K, 8] bfloat16."""
+    kb = cpu_kernels.bf16()
+    assert kb is not None
+    w = torch.randn(20, 64)
+    panels = kb.pack(w)  # [3, 64, 8]: 24 columns
+    x = torch.randn(2, 64)
+    assert torch.equal(kb.linear(x, panels, 24, out_dtype=torch.float32)[:, :20],
+                       kb.linear(x, panels, 20, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="columns"):
+        kb.linear(x, panels, 25)
+    with pytest.raises(ValueError, match="columns"):
+        kb.linear(x, panels[:1].contiguous(), 20)
+    for bad in (panels.float(), panels.reshape(6, 64, 4), panels.reshape(3, 512), panels.transpose(0, 1),
+                panels[:, :32].contiguous()):
+        with pytest.raises(ValueError, match="panels|features"):
+            kb.linear(x, bad, 20)
+    with pytest.raises(ValueError, match="bias"):
+        kb.linear(x, panels, 20, torch.zeros(20))
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", [0, 5, 17, 31, 40], ids=lambda w: f"k{w}")
+def test_a_nan_activation_gives_a_nan_row(kernel, where) -> None:
+    """A NaN (or an infinity) in an input row stays visible: w4a8's and w8a8's output row is all
+    NaN (the int8 rounding does not turn it into finite codes and a plausible token), the other rows
+    bit for bit as without it, at 3 rows (rounded serially) and 20 (inside the parallel region)."""
+    k8 = cpu_kernels.w8a8()
+    codes, scale, zero = _parts(24, 96, seed=5)
+    p4 = kernel.pack(codes, scale, zero)
+    p8 = k8.pack(int4_values(codes, scale.float(), zero.float()))
+    for m in (3, 20):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        clean4 = kernel.linear(x, *p4, out_dtype=torch.float32)
+        clean8 = k8.linear(x, *p8)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            xb = x.clone()
+            xb[1, where] = bad
+            for got, clean in ((kernel.linear(xb, *p4, out_dtype=torch.float32), clean4),
+                               (kernel.linear(xb.float(), *p4, out_dtype=torch.float32), clean4),
+                               (kernel.linear(xb, *p4).float(), clean4.to(torch.bfloat16).float()),
+                               (k8.linear(xb, *p8), clean8)):
+                assert got[1].isnan().all(), (m, bad, got[1])
+                keep = torch.arange(m) != 1
+                assert torch.equal(got[keep], clean[keep]), (m, bad)
 
 
 @needs_kernel
@@ -248,6 +348,20 @@ def test_attention_kernel_rejects_bad_inputs(attn_kernel) -> None:
     with pytest.raises(ValueError, match="shapes"):
         attn_kernel.attend_rows(q[:, :, :12].contiguous(), kc[:, :, :12].contiguous(), vc[:, :, :12].contiguous(),
                                 sl, nk, 1.0)
+
+
+@needs_kernel
+def test_attention_kernel_refuses_a_slot_outside_the_cache(attn_kernel) -> None:
+    """Slots are raw offsets into the cache: one of a row's first nkeys past the cache (or negative)
+    is a ValueError saying so, not a read out of bounds; past nkeys anything goes."""
+    q, kc, vc, sl, nk = _attn_case(torch.float32)
+    for bad in (kc.shape[0], 10**12, -1):
+        s2 = sl.clone()
+        s2[2, int(nk[2]) - 1] = bad
+        with pytest.raises(ValueError, match="slot"):
+            attn_kernel.attend_rows(q, kc, vc, s2, nk, 1.0)
+    with pytest.raises(ValueError, match="cache"):
+        attn_kernel.attend_rows(q, kc, vc[:10].contiguous(), sl.clamp(max=9), nk, 1.0)
 
 
 # ---- per-row kernels (kernels/elementwise.cpp) ------------------------------------------------------

@@ -55,6 +55,27 @@ _warned: set[str] = set()  # reasons already warned about: one warning each, not
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+def _expect(kernel: str, what: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...],
+            shape: tuple[int | None, ...]) -> None:
+    """Raise a ValueError naming `what` unless t is a contiguous CPU tensor of one of `dtypes` and
+    `shape` (None: any size there). The kernels read raw addresses: what they are handed is checked
+    here, once per call, by every binding."""
+    ok = (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype in dtypes and t.dim() == len(shape)
+          and all(w is None or w == d for w, d in zip(shape, t.shape)))
+    if ok and t.is_contiguous():
+        return
+    want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    dims = ", ".join("*" if w is None else str(w) for w in shape)
+    got = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
+           f"{'' if t.is_contiguous() else ', not contiguous'}") if isinstance(t, torch.Tensor) else type(t).__name__
+    raise ValueError(f"{kernel}: {what} must be a contiguous CPU {want} tensor [{dims}], got {got}")
+
+
+def _padded_groups(k: int) -> int:
+    """Per-group arrays' width for in_features k: k / 32 groups padded to a multiple of CHUNK."""
+    return -(-(k // GROUP) // CHUNK) * CHUNK
+
+
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
     """lib's C function `name` with its argument and result types set."""
     fn = getattr(lib, name)
@@ -69,7 +90,7 @@ class W4A8:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         self._fn = _bind(self._lib, "augury_w4a8_linear",
-                         [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32], _I32)
+                         [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -79,7 +100,7 @@ class W4A8:
         if k % GROUP:
             raise ValueError(f"w4a8 needs in_features % {GROUP} == 0, got {k}")
         g = k // GROUP
-        gp = -(-g // CHUNK) * CHUNK
+        gp = _padded_groups(k)
         c = codes.to(torch.uint8).view(n, g, GROUP)
         nib = (c[..., :16] | (c[..., 16:] << 4)).contiguous()
         s = torch.zeros(n, gp, dtype=torch.bfloat16)
@@ -89,24 +110,25 @@ class W4A8:
         return nib, s, z
 
     def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's dtype); bias
-        float32 [N] or None. The weights are pack()'s output."""
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's dtype), no bias
+        (quant.Int4Linear adds its own). The weights are pack()'s output."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
                              f"{x.dtype} on {x.device}")
-        if codes.device.type != "cpu":
-            raise ValueError(f"w4a8 weights must be on the CPU, not {codes.device}")
         x = x.contiguous()
         m, k = x.shape
+        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 16))
         n, g, _ = codes.shape
         if k != g * GROUP:
             raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
+        gp = _padded_groups(k)
+        _expect("w4a8", "scale", scale, (torch.bfloat16,), (n, gp))
+        _expect("w4a8", "zero", zero, (torch.bfloat16,), (n, gp))
         out_dtype = out_dtype or x.dtype
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
-                      zero.data_ptr(), n, scale.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      int(out_dtype == torch.bfloat16), torch.get_num_threads())
+                      zero.data_ptr(), n, gp, y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -131,7 +153,7 @@ class W8A8:
         w = weight.detach().float().view(n, g, GROUP)
         scale = w.abs().amax(-1) / 127.0
         q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
-        s = torch.zeros(n, -(-g // CHUNK) * CHUNK, dtype=torch.float32)
+        s = torch.zeros(n, _padded_groups(k), dtype=torch.float32)
         s[:, :g] = scale
         return q.view(n, k).contiguous(), s
 
@@ -142,9 +164,11 @@ class W8A8:
                              f"{x.dtype} on {x.device}")
         x = x.contiguous()
         m, k = x.shape
+        _expect("w8a8", "codes", codes, (torch.int8,), (None, None))
         n = codes.shape[0]
         if k != codes.shape[1]:
             raise ValueError(f"w8a8: input has {k} features, the weights {codes.shape[1]}")
+        _expect("w8a8", "scale", scale, (torch.float32,), (n, _padded_groups(k)))
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
                       scale.shape[1], y.data_ptr(), torch.get_num_threads())
@@ -189,10 +213,13 @@ class BF16:
                              f"{x.dtype} on {x.device}")
         x = x.contiguous()
         m, k = x.shape
+        _expect("bf16", "panels", packed, (torch.bfloat16,), (None, None, self.PANEL))
         if k != packed.shape[1]:
             raise ValueError(f"bf16 kernel: input has {k} features, the weights {packed.shape[1]}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
-            raise ValueError("bf16 kernel: the bias must be bfloat16 [out_features]")
+        if not 0 <= n <= self.PANEL * packed.shape[0]:
+            raise ValueError(f"bf16 kernel: {n} columns asked of {packed.shape[0]} panels of {self.PANEL}")
+        if bias is not None:
+            _expect("bf16", "bias", bias, (torch.bfloat16,), (n,))
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n,
                       None if bias is None else bias.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16),
@@ -208,31 +235,35 @@ class AttentionKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
-        self._fn = _bind(self._lib, "augury_attend_rows", [_P, _I32, _I64, _I64, _I64, _P, _P, _I32, _I64, _P, _P,
-                                                           _I64, ctypes.c_float, _P, _I32, _I32], _I32)
+        self._fn = _bind(self._lib, "augury_attend_rows", [_P, _I32, _I64, _I64, _I64, _P, _P, _I32, _I64, _I64, _P,
+                                                           _P, _I64, ctypes.c_float, _P, _I32, _I32], _I32)
 
     def attend_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                     nkeys: torch.Tensor, scale: float) -> torch.Tensor:
         """q [R, nh, hd]; k_cache / v_cache [S, nkv, hd] (bfloat16 or float32, contiguous); slots [R, W]
-        int64, of which row r reads the first nkeys[r] (int32 [R]). Returns [R, nh * hd] in q's dtype."""
-        r, nh, hd = q.shape
-        nkv = k_cache.shape[1]
-        for t in (q, k_cache, v_cache, slots, nkeys):
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("attend_rows wants contiguous CPU tensors")
+        int64, of which row r reads the first nkeys[r] (int32 [R]), each a slot of the cache (0..S-1;
+        the kernel checks them before reading). Returns [R, nh * hd] in q's dtype."""
         if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32) \
                 or v_cache.dtype != k_cache.dtype or slots.dtype != torch.int64 or nkeys.dtype != torch.int32:
             raise ValueError(f"attend_rows: unsupported dtypes q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}, "
                              f"slots {slots.dtype}, nkeys {nkeys.dtype}")
-        if hd % 8 or nh % nkv or k_cache.shape[2] != hd or slots.shape[0] != r or nkeys.shape[0] != r:
+        if q.dim() != 3 or k_cache.dim() != 3 or q.shape[2] % 8 or q.shape[1] % max(k_cache.shape[1], 1):
             raise ValueError(f"attend_rows: shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
                              f"slots {tuple(slots.shape)}, nkeys {tuple(nkeys.shape)}")
+        r, nh, hd = q.shape
+        s, nkv = k_cache.shape[:2]
+        _expect("attend_rows", "q", q, (q.dtype,), (r, nh, hd))
+        _expect("attend_rows", "k_cache", k_cache, (k_cache.dtype,), (s, nkv, hd))
+        _expect("attend_rows", "v_cache", v_cache, (k_cache.dtype,), (s, nkv, hd))
+        _expect("attend_rows", "slots", slots, (torch.int64,), (r, None))
+        _expect("attend_rows", "nkeys", nkeys, (torch.int32,), (r,))
         out = torch.empty(r, nh * hd, dtype=q.dtype)
         rc = self._fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, nh, hd, k_cache.data_ptr(), v_cache.data_ptr(),
-                      int(k_cache.dtype == torch.bfloat16), nkv, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
+                      int(k_cache.dtype == torch.bfloat16), nkv, s, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
                       scale, out.data_ptr(), int(q.dtype == torch.bfloat16), torch.get_num_threads())
         if rc:
-            raise ValueError("attend_rows: bad shapes or key counts (each row needs 1..W keys)")
+            raise ValueError("attend_rows: " + {2: "key counts out of range (each row needs 1..W keys)",
+                                                3: f"a row's slot is outside the cache (0..{s - 1})"}.get(rc, "bad shapes"))
         return out
 
 

@@ -12,16 +12,20 @@
 
 #include "attention.h"
 
-// q [R, nh, hd]; caches [S, nkv, hd]; slots [R, W] int64 (the first nkeys[r] are row r's keys);
-// out [R, nh * hd]. hd % 8 == 0, nh % nkv == 0 (query head h reads key-value head h / (nh / nkv)).
-// Returns 0, or 1 for bad shapes.
+// q [R, nh, hd]; caches [S, nkv, hd]; slots [R, W] int64 (the first nkeys[r] are row r's keys, each in
+// 0..S-1); out [R, nh * hd]. hd % 8 == 0, nh % nkv == 0 (query head h reads key-value head h / (nh / nkv)).
+// Returns 0, 1 for bad shapes, 2 for a key count outside 1..W, 3 for a slot outside the cache (checked
+// before anything is read: the slots are raw offsets).
 extern "C" int augury_attend_rows(const void *q, int q_bf16, int64_t R, int64_t nh, int64_t hd, const void *kc,
-                                  const void *vc, int kv_bf16, int64_t nkv, const int64_t *slots,
+                                  const void *vc, int kv_bf16, int64_t nkv, int64_t S, const int64_t *slots,
                                   const int32_t *nkeys, int64_t W, float scale, void *out, int out_bf16,
                                   int nthreads) {
-    if (hd % 8 || hd > 512 || nkv < 1 || nh % nkv || R < 0 || W < 1) return 1;
-    for (int64_t r = 0; r < R; r++)
-        if (nkeys[r] < 1 || nkeys[r] > W) return 1;
+    if (hd % 8 || hd > 512 || nkv < 1 || nh % nkv || R < 0 || W < 1 || S < 0) return 1;
+    for (int64_t r = 0; r < R; r++) {
+        if (nkeys[r] < 1 || nkeys[r] > W) return 2;
+        for (int64_t j = 0; j < nkeys[r]; j++)
+            if (static_cast<uint64_t>(slots[r * W + j]) >= static_cast<uint64_t>(S)) return 3;
+    }
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads) if (augury::attention_parallel(R, nh, nkv, W))
     {

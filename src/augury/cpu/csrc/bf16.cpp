@@ -17,7 +17,6 @@ extern "C" int augury_bf16_linear(const void *x, int x_bf16, int64_t M, int64_t 
     if (K % 8 || M < 0 || N < 0) return 1;
     float *xf = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * K + 8)));
     if (!xf) return 2;
-    if (nthreads < 1) nthreads = 1;
     auto store = [&](int64_t m, int64_t n, float v) {
         if (y_bf16) {
             uint16_t o = augury::f32_to_bf16(v + 0.0f);
@@ -27,12 +26,8 @@ extern "C" int augury_bf16_linear(const void *x, int x_bf16, int64_t M, int64_t 
             static_cast<float *>(y)[m * N + n] = v + (bias ? augury::bf16_to_f32(bias[n]) : 0.0f);
         }
     };
-    if (M < 16) augury::bf16::widen_rows(x, x_bf16 != 0, M, K, xf);
-#pragma omp parallel num_threads(nthreads)
-    {
-        if (M >= 16) augury::bf16::widen_rows(x, x_bf16 != 0, M, K, xf);
-        augury::bf16::columns(xf, M, K, w, N, store);
-    }
+    augury::prepare_then_run(M, nthreads, [&] { augury::bf16::widen_rows(x, x_bf16 != 0, M, K, xf); },
+                             [&] { augury::bf16::columns(xf, M, K, w, N, store); });
     std::free(xf);
     return 0;
 }

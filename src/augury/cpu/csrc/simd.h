@@ -30,6 +30,24 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
     return static_cast<uint16_t>(u >> 16);
 }
 
+// Below this many rows a kernel prepares its rows (rounds or widens them) serially, before its
+// parallel region: waking a thread costs more than a few rows.
+constexpr int64_t SERIAL_ROWS = 16;
+
+// prepare() (a worksharing loop over the M rows) then body() (one over the columns) in one parallel
+// region of nthreads threads; for fewer than SERIAL_ROWS rows prepare() runs first, serially. Either
+// way every row is prepared by the same row function, so the results do not depend on M.
+template <class Prepare, class Body>
+inline void prepare_then_run(int64_t M, int nthreads, Prepare &&prepare, Body &&body) {
+    const bool serial = M < SERIAL_ROWS;
+    if (serial) prepare();
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        if (!serial) prepare();
+        body();
+    }
+}
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

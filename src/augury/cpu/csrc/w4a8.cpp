@@ -21,28 +21,22 @@
 
 using namespace augury::w4a8;
 
-// y [M, N] = x [M, K] w^T (+ bias [N], float32); x and y bfloat16 (flag 1) or float32 (0).
-// Returns 0, or 1 for bad shapes, 2 when out of memory.
+// y [M, N] = x [M, K] w^T; x and y bfloat16 (flag 1) or float32 (0) (a bias is the caller's:
+// quant.Int4Linear adds its own). Returns 0, or 1 for bad shapes, 2 when out of memory.
 extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
-                                  const uint16_t *s, const uint16_t *z, int64_t N, int64_t Gp, const float *bias,
-                                  void *y, int y_bf16, int nthreads) {
+                                  const uint16_t *s, const uint16_t *z, int64_t N, int64_t Gp, void *y, int y_bf16,
+                                  int nthreads) {
     const int64_t G = K / GROUP;
     if (K % GROUP || M < 0 || N < 0 || Gp % CHUNK || Gp < G || Gp >= G + CHUNK) return 1;
     OwnedRounded a(M, K, Gp);
     if (!a.ok()) return 2;
-    if (nthreads < 1) nthreads = 1;
     auto store = [&](int64_t m, int64_t n, float v) {
-        v += bias ? bias[n] : 0.0f;
         if (y_bf16)
             static_cast<uint16_t *>(y)[m * N + n] = augury::f32_to_bf16(v);
         else
             static_cast<float *>(y)[m * N + n] = v;
     };
-    if (M < 16) round_rows(x, x_bf16 != 0, M, a);  // serial: waking a thread costs more than a few rows
-#pragma omp parallel num_threads(nthreads)
-    {
-        if (M >= 16) round_rows(x, x_bf16 != 0, M, a);
-        columns(a, M, codes, s, z, N, store);
-    }
+    augury::prepare_then_run(M, nthreads, [&] { round_rows(x, x_bf16 != 0, M, a); },
+                             [&] { columns(a, M, codes, s, z, N, store); });
     return 0;
 }

@@ -18,22 +18,31 @@ constexpr int ROW_TILE = 64;  // rows whose int8 activations stay in cache while
 
 inline __m256 load_bf16x8(const uint16_t *p) { return load8(p, true, 0); }
 
-// one row: xq [K] int8, dx [Gp] scales, xsum [Gp] the group's sum of xq, xs = dx * xsum; padding groups zero
+// one row: xq [K] int8, dx [Gp] scales, xsum [Gp] the group's sum of xq, xs = dx * xsum; padding groups zero.
+// A group holding a NaN or an infinity gets dx = xs = NaN (and codes 0), so every output of the row is
+// NaN: maxps drops NaNs and the int8 conversion would turn them into finite codes, a plausible token.
 inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t *xq, float *dx, float *xs,
                   int32_t *xsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int64_t G = K / GROUP;
     for (int64_t g = 0; g < G; g++) {
         __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
+        __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = load8(x, bf16, g * GROUP + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
         }
         __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         a = _mm_max_ps(a, _mm_movehl_ps(a, a));
         a = _mm_max_ss(a, _mm_movehdup_ps(a));
         const float m = _mm_cvtss_f32(a);
+        if (_mm256_movemask_ps(nan) || !(m <= 3.40282347e38f)) {  // NaN or infinity in the group
+            std::memset(xq + g * GROUP, 0, GROUP);
+            dx[g] = xs[g] = __builtin_nanf("");
+            xsum[g] = 0;
+            continue;
+        }
         const float d = m / 127.0f;
         const __m256 id = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
         __m256i q[4];

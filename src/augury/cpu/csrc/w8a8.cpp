@@ -54,11 +54,7 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
     if (K % GROUP || M < 0 || N < 0 || Gp % CHUNK || Gp < G || Gp >= G + CHUNK) return 1;
     OwnedRounded a(M, K, Gp);
     if (!a.ok()) return 2;
-    if (nthreads < 1) nthreads = 1;
-    if (M < 16) round_rows(x, x_bf16 != 0, M, a);
-#pragma omp parallel num_threads(nthreads)
-    {
-        if (M >= 16) round_rows(x, x_bf16 != 0, M, a);
+    augury::prepare_then_run(M, nthreads, [&] { round_rows(x, x_bf16 != 0, M, a); }, [&] {
         for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
             const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
 #pragma omp for schedule(static)
@@ -78,6 +74,6 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                 }
             }
         }
-    }
+    });
     return 0;
 }
