@@ -29,6 +29,8 @@ class SystemSettings:
     temperature: float = 0.0  # 0 = greedy; otherwise seeded sampling at this temperature
     quantization: str = "auto"  # augury's weight mode (EngineConfig.quantization)
     gguf: str | None = None  # the GGUF file the peer systems (llama.cpp) load: the same weights
+    threads: int | None = None  # CPU threads of every system (torch's intra-op threads, llama.cpp's n_threads)
+    eos_ids: tuple[int, ...] | None = None  # the checkpoint's end-of-sequence ids (None: each system reads them)
 
 
 class System(Protocol):
@@ -120,7 +122,7 @@ class TransformersSystem:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype))
         self.model = model.to(self.device).eval()
         gen = self.model.generation_config
-        self.eos_ids = _eos_ids(folder)  # the same set augury stops at
+        self.eos_ids = _eos_ids(folder, settings.eos_ids)  # the same set augury stops at
         gen.eos_token_id = None  # fixed output length, like ignore_eos, unless a call asks to stop
         gen.temperature = gen.top_p = gen.top_k = None  # checkpoints may ship sampling defaults
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
@@ -157,7 +159,9 @@ class TransformersSystem:
 class LlamaCppSystem:
     """llama.cpp (llama-cpp-python, the optional `augury[peers]` extra) on the benchmark's GGUF
     file: the same weights augury converts, in their own quantisation. One sequence at a time
-    (its Python API decodes one), greedy or seeded sampling, as many threads as torch uses."""
+    (its Python API decodes one), greedy or seeded sampling, settings.threads threads (default: as
+    many as torch uses). It needs no torch when the settings give threads and eos_ids (as the
+    benchmark's do), so its worker process never loads torch's OpenMP runtime."""
 
     def __init__(self, settings: SystemSettings, name: str = "llama.cpp") -> None:
         try:
@@ -168,13 +172,16 @@ class LlamaCppSystem:
             raise ValueError("the llama.cpp system needs a GGUF file: --model FILE.gguf, --model demo, or --gguf FILE")
         if settings.device != "cpu":
             raise ValueError("the llama.cpp system runs on the CPU only here (--device cpu)")
-        import torch
-
         self.name = name
-        threads = torch.get_num_threads()
+        threads = settings.threads
+        if not threads:
+            import torch
+
+            threads = torch.get_num_threads()
+        self.threads = threads
         self.llm = Llama(model_path=settings.gguf, n_ctx=settings.max_len + 8, n_threads=threads,
                          n_threads_batch=threads, n_batch=512, verbose=False)
-        self.eos_ids = _eos_ids(settings.model)  # the same set augury stops at
+        self.eos_ids = _eos_ids(settings.model, settings.eos_ids)  # the same set augury stops at
         self.temperature = settings.temperature
 
     def supports(self, batch_size: int) -> bool:
@@ -202,7 +209,10 @@ class LlamaCppSystem:
         self.llm.close()
 
 
-def _eos_ids(folder) -> set[int]:
+def _eos_ids(folder, known: tuple[int, ...] | None = None) -> set[int]:
+    """The checkpoint's end-of-sequence ids (`known` when the caller has them already)."""
+    if known is not None:
+        return set(known)
     from augury.models.config import TargetConfig
     from augury.models.tokenizer import eos_ids, load_tokenizer
 

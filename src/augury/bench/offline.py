@@ -13,6 +13,13 @@ repeat's own ratio (the two systems ran back to back in that repeat: "paired"), 
 and spread, and how many greedy sequences equal the reference's. Process CPU time is recorded beside wall-clock
 time: on a machine shared with other work it is the steadier of the two (use --threads 1). A table is printed; JSON and a PNG plot are
 written into --out.
+
+Every system runs in a worker process of its own (bench/worker.py), started with the user's
+environment (a peer such as llama.cpp or transformers without augury's AUGURY_* variables and
+without the OMP_WAIT_POLICY augury's import sets), loaded once and driven by this process; each
+run is timed inside its worker (wall-clock and the worker's CPU time). The table and JSON name
+each system's process id, thread count, the CPU's ISA level, the level augury's kernels run at and
+OMP_WAIT_POLICY as the worker saw it.
 """
 from __future__ import annotations
 
@@ -75,6 +82,14 @@ class Row:
     accept_length: float = 0.0  # speculative systems: tokens per verification step
     accept_by_kind: dict[str, float] = field(default_factory=dict)  # --prompts varied: the same per kind
     spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
+    # the process the system ran in (its worker): id, CPU threads (torch's; llama.cpp's n_threads),
+    # the CPU's ISA level (cpu.isa.host_level), augury's kernels' level (augury systems) and
+    # OMP_WAIT_POLICY as that process saw it (None: unset)
+    pid: int | None = None
+    threads: int | None = None
+    isa: str | None = None
+    kernels_isa: str | None = None
+    omp_wait_policy: str | None = None
 
     @property
     def median_s(self) -> float:
@@ -133,25 +148,50 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
             for r in range(settings.repeats):
                 for system in systems if r % 2 == 0 else systems[::-1]:
                     bar.set_postfix_str(f"batch {b} {system.name}")
-                    out: list[list[int]] = []
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    for prompts in groups:
-                        out += system.generate(prompts, settings.output_len, settings.stop_at_eos)
-                    seconds[system.name].append(time.perf_counter() - start)
-                    cpu[system.name].append(time.process_time() - start_cpu)
+                    out, wall, cpu_s = _timed_run(system, groups, settings.output_len, settings.stop_at_eos)
+                    seconds[system.name].append(wall)
+                    cpu[system.name].append(cpu_s)
                     _check_lengths(system.name, out, settings.output_len, settings.stop_at_eos)
                     outputs.setdefault(system.name, out)
                     bar.update(1)
             new = _rows_for(b, systems, seconds, cpu, outputs)
             if chat and kinds:
+                by_kind = {k: [p for p, pk in zip(chat, kinds) if pk == k] for k in dict.fromkeys(kinds)}
                 for row, system in zip(new, systems):
-                    if hasattr(system, "accept_length_of"):
-                        row.accept_by_kind = {k: system.accept_length_of([p for p, pk in zip(chat, kinds) if pk == k])
-                                              for k in dict.fromkeys(kinds)}
+                    if hasattr(system, "accept_by_kind"):  # a worker: None for a system that counts nothing
+                        row.accept_by_kind = system.accept_by_kind(by_kind) or {}
+                    elif hasattr(system, "accept_length_of"):
+                        row.accept_by_kind = {k: system.accept_length_of(ps) for k, ps in by_kind.items()}
             rows.extend(new)
     finally:
         bar.close()
     return rows
+
+
+def _timed_run(system: System, groups: list[list[list[int]]], output_len: int,
+               stop_at_eos: bool) -> tuple[list[list[int]], float, float]:
+    """Every group through the system in turn: (outputs, wall seconds, CPU seconds). A worker times
+    itself (its own CPU time); a system in this process is timed here."""
+    if hasattr(system, "timed_run"):
+        return system.timed_run(groups, output_len, stop_at_eos)
+    out: list[list[int]] = []
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for prompts in groups:
+        out += system.generate(prompts, output_len, stop_at_eos)
+    return out, time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def system_info(system: System) -> dict[str, Any]:
+    """The process a system runs in (pid, threads, ISA levels, OMP_WAIT_POLICY): its worker's, or
+    this process's for a system built here."""
+    info = getattr(system, "info", None)
+    if info:
+        return dict(info)
+    import os
+
+    from augury.bench.worker import process_info
+
+    return process_info(system, system.name, os.environ.get("OMP_WAIT_POLICY"))
 
 
 def _check_lengths(name: str, out: list[list[int]], output_len: int, stop_at_eos: bool) -> None:
@@ -168,7 +208,8 @@ def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
     generate different numbers of tokens when sequences stop at EOS)."""
     ref = systems[0].name
     rows = [Row(s.name, b, seconds[s.name], cpu[s.name], sum(len(o) for o in outputs[s.name]),
-                accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0))
+                accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0),
+                **system_info(s))
             for s in systems]
     base = rows[0]
     for row in rows:
@@ -199,6 +240,16 @@ def format_table(rows: list[Row]) -> str:
         lines += ["", head, "-" * len(head)]
         for k in kinds:
             lines.append(f"{k:<{width}}  " + " ".join(f"{r.accept_by_kind.get(k, 0.0):>24.2f}" for r in spec))
+    procs = {r.system: r for r in rows}
+    if procs:  # the process each system ran in
+        width = max(20, *(len(n) for n in procs))
+        head = (f"{'process of':<{width}} {'pid':>8} {'threads':>7} {'cpu isa':>12} {'kernels isa':>12} "
+                f"{'OMP_WAIT_POLICY':>15}")
+        lines += ["", head, "-" * len(head)]
+        for name, r in procs.items():
+            lines.append(f"{name:<{width}} {r.pid if r.pid is not None else '-':>8} "
+                         f"{r.threads if r.threads is not None else '-':>7} {r.isa or '-':>12} "
+                         f"{r.kernels_isa or '-':>12} {r.omp_wait_policy or '(unset)':>15}")
     return "\n".join(lines)
 
 
@@ -248,12 +299,17 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
 
     from augury.models.config import TargetConfig
 
-    factories = [system_factory(name) for name in settings.systems]  # bad names fail before any loading
+    for name in settings.systems:  # bad names fail before any loading
+        system_factory(name)
+    from augury.bench.worker import start_workers, user_environment
+
+    user_env = user_environment()  # as the user started `augury bench`, before it set anything
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep the output to our own bar and table
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    threads = torch.get_num_threads()  # every system's: --threads, else torch's default here
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = settings.draft_model
@@ -282,24 +338,26 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         else:
             chat = (chat_prompts if settings.prompts == "chat" else mixed_prompts)(tokenizer, settings.num_prompts)
         prompt_len = max(len(p) for p in chat)
+    from augury.bench import _eos_ids
+
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
-                            settings.quantization, _gguf_file(settings))
-    systems: list[System] = []
+                            settings.quantization, _gguf_file(settings), threads,
+                            tuple(sorted(_eos_ids(folder))))
+    systems = start_workers(list(settings.systems), shared, user_env)  # one process per system, loaded
     try:
-        for factory in factories:
-            systems.append(factory(shared))
         rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat, kinds)
+        processes = {s.name: system_info(s) for s in systems}
     finally:
         for s in systems:
             s.close()
     model_info = {"path": str(folder), "family": cfg.family, "parameters": params, "layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
     report = {"settings": asdict(settings), "model": model_info, "environment": environment(settings),
-              "results": [r.to_dict() for r in rows]}
+              "systems": processes, "results": [r.to_dict() for r in rows]}
     (out / "offline.json").write_text(json.dumps(report, indent=2) + "\n")
     title = (f"{cfg.family} {params / 1e6:.1f}M params, {settings.dtype}, {settings.device}, "
-             f"prompt {settings.prompt_len}, output {settings.output_len}, {torch.get_num_threads()} threads")
+             f"prompt {settings.prompt_len}, output {settings.output_len}, {threads} threads")
     plot(rows, out / "offline.png", title)
     return rows, out
 

@@ -1,0 +1,119 @@
+"""`augury bench` runs every system in a worker process of its own, started with the user's
+environment: a peer gets no AUGURY_* variable and no OMP_WAIT_POLICY that augury set (only the
+user's own), and the table and JSON name each system's process, threads, ISA and wait policy."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from augury.bench import SystemSettings
+from augury.bench.worker import WorkerSystem, user_environment, worker_environment
+
+
+def test_user_environment_takes_what_augury_sets_from_the_start_environment() -> None:
+    now = {"PATH": "/bin", "AUGURY_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    # started without it: augury's import set it, so the user has none
+    assert user_environment(now, initial={"PATH": "/bin"}) == {"PATH": "/bin", "AUGURY_THREADS": "2"}
+    # the user's shell had it: theirs
+    assert user_environment(now, initial={"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    # peers lose every AUGURY_* variable; augury systems keep the user's
+    env = user_environment(now, initial={})
+    assert worker_environment("llama.cpp", env) == {"PATH": "/bin"}
+    assert worker_environment("augury-off@int8", env) == env
+
+
+def _settings(folder) -> SystemSettings:
+    return SystemSettings(str(folder), "float32", "cpu", 1, 32, threads=1)
+
+
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_a_peer_worker_gets_the_users_environment_not_augurys(user_policy, monkeypatch) -> None:
+    """Variables augury set in this process (monkeypatched here as if augury had set them) do not
+    reach a peer's worker; the user's own OMP_WAIT_POLICY does. The worker is another process."""
+    monkeypatch.setenv("AUGURY_CPU_KERNELS", "0")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    user = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # the user's shell: no policy
+    if user_policy:
+        user["OMP_WAIT_POLICY"] = user_policy
+    worker = WorkerSystem("transformers", _settings("unused"), user_env=user).start(load=False)
+    try:
+        env, info = worker.environ(), worker.process_info()
+    finally:
+        worker.close()
+    assert not [k for k in env if k.startswith("AUGURY_")]
+    assert env.get("OMP_WAIT_POLICY") == user_policy and info["omp_wait_policy"] == user_policy
+    assert info["pid"] == worker.pid != os.getpid()
+
+
+def test_a_peer_worker_by_default_drops_the_policy_augury_set(monkeypatch) -> None:
+    """Without an explicit user environment the worker gets this process's environment at start,
+    less what augury set: OMP_WAIT_POLICY as this process was started with it."""
+    from augury.bench.worker import initial_environ
+
+    start = initial_environ()
+    if start is None:
+        pytest.skip("no /proc/self/environ here")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("AUGURY_THREADS", "1")
+    monkeypatch.setenv("SOME_USER_SETTING", "kept")
+    worker = WorkerSystem("llama.cpp", _settings("unused")).start(load=False)
+    try:
+        env = worker.environ()
+    finally:
+        worker.close()
+    assert env.get("OMP_WAIT_POLICY") == start.get("OMP_WAIT_POLICY")
+    assert "AUGURY_THREADS" not in env and env["SOME_USER_SETTING"] == "kept"
+
+
+def test_a_loaded_peer_runs_in_its_worker(tiny_checkpoint, monkeypatch) -> None:
+    """transformers loaded in its worker: its pid, torch's thread count there, no kernels level."""
+    monkeypatch.setenv("AUGURY_CPU_KERNELS", "0")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    user = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    worker = WorkerSystem("transformers", _settings(tiny_checkpoint("llama")), user_env=user).start()
+    try:
+        info = worker.wait_loaded()
+        assert info["pid"] == worker.pid != os.getpid()
+        assert info["threads"] == 1 and info["kernels_isa"] is None and info["omp_wait_policy"] is None
+        out = worker.generate([[5, 6, 7]], 3)
+        assert len(out) == 1 and len(out[0]) == 3
+        assert worker.stats() == {"accept_length": 0.0, "spec_fraction": 0.0, "accept_by_kind": None}
+    finally:
+        worker.close()
+    assert worker.proc is None
+
+
+def test_a_failing_load_is_the_workers_one_line_error(tmp_path) -> None:
+    from augury.bench.worker import WorkerError
+
+    worker = WorkerSystem("augury", _settings(tmp_path / "missing")).start()
+    try:
+        with pytest.raises(WorkerError, match="^augury: ") as err:
+            worker.wait_loaded()
+        assert "\n" not in str(err.value)
+    finally:
+        worker.close()
+
+
+def test_bench_smoke_two_augury_systems_in_their_own_processes(tiny_checkpoint, tmp_path) -> None:
+    from augury.bench.offline import BenchSettings, bench, format_table
+    from augury.cpu import isa, kernels
+
+    settings = BenchSettings(model=str(tiny_checkpoint("llama")), batch_sizes=(1,), prompt_len=4, output_len=4,
+                             repeats=1, warmup=0, systems=("augury", "augury-off@int8"), out=str(tmp_path / "out"))
+    rows, out = bench(settings, progress=False)
+    report = json.loads((out / "offline.json").read_text())
+    results = {r["system"]: r for r in report["results"]}
+    assert set(results) == set(report["systems"]) == {"augury", "augury-off@int8"}
+    pids = {r["pid"] for r in results.values()}
+    assert len(pids) == 2 and os.getpid() not in pids
+    for name, r in results.items():
+        assert r["threads"] == 1  # the tests' torch threads, passed on to every system
+        assert r["isa"] == isa.host_level() and r["kernels_isa"] == kernels.level()
+        assert "omp_wait_policy" in r and report["systems"][name]["pid"] == r["pid"]
+        assert r["output_tokens"] == 4 and len(r["seconds"]) == 1 and r["paired_ratios"]
+    assert results["augury-off@int8"]["greedy_match"] <= 1.0
+    table = format_table(rows)
+    assert "process of" in table and str(results["augury"]["pid"]) in table
