@@ -86,7 +86,6 @@ inline __m256i reduce8(const __m256i p[8]) {
 template <int R, int NJ>
 inline void chunk(const uint8_t *codes, __m256 sv, int64_t c, int64_t Gp, const int8_t *xq, const float *dx,
                   const int32_t *xsum, int64_t K, __m256 *acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     alignas(32) uint8_t wb[CHUNK * GROUP];  // the chunk's codes unpacked, one byte each, shared by the rows
     for (int j = 0; j < NJ; j++) {
@@ -101,7 +100,7 @@ inline void chunk(const uint8_t *codes, __m256 sv, int64_t c, int64_t Gp, const 
             if (j < NJ) {
                 const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(wb + j * GROUP));
                 const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xr + j * GROUP));
-                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);  // |15 * 127 * 2| < 2^15
+                p[j] = augury::dot_u8s8(w, x);  // |15 * 127 * 2| < 2^15
             } else {
                 p[j] = _mm256_setzero_si256();
             }

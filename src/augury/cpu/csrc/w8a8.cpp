@@ -23,7 +23,6 @@ namespace {
 template <int R>
 inline void block8(const int8_t *w, const float *s, int64_t G, int64_t Gp, const int8_t *xq, const float *dx,
                    int64_t K, float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     alignas(32) float sc[R][CHUNK];
@@ -35,8 +34,8 @@ inline void block8(const int8_t *w, const float *s, int64_t G, int64_t Gp, const
             const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + (c + j) * GROUP));
             for (int r = 0; r < R; r++) {
                 const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + r * K + (c + j) * GROUP));
-                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x));
-                const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                // |xq| against w carrying xq's sign; |127 * 127 * 2| < 2^15
+                const __m256 d = _mm256_cvtepi32_ps(augury::dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wv, x)));
                 acc[r] = _mm256_fmadd_ps(d, _mm256_broadcast_ss(&sc[r][j]), acc[r]);
             }
         }
