@@ -34,6 +34,7 @@ from torch import nn
 
 from augury.cpu import isa
 from augury.cpu import kernels as cpu_kernels
+from augury.models.fused import KernelModule
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,14 @@ def row_padding() -> RowPadding | None:
     return RowPadding(block, tuple(table))
 
 
-class HalfPackedLinear(nn.Module):
+class HalfPackedLinear(KernelModule, nn.Module):
     """y = x @ W.T (+ b) with W packed for fbgemm as float16; input and output in `dtype`.
 
-    padding: how many rows a call of m rows runs as (NO_PADDING: m; see the module doc)."""
+    padding: how many rows a call of m rows runs as (NO_PADDING: m; see the module doc). The packed
+    weight is an fbgemm object on the CPU (no tensor: `.to()` never reaches it); the float32 bias
+    keeps its dtype through conversions (KernelModule)."""
+
+    kernel_devices = ("cpu",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  padding: RowPadding = NO_PADDING) -> None:
@@ -139,14 +144,17 @@ class HalfPackedLinear(nn.Module):
                 f"dtype={self.dtype}, padded={self.padding is not NO_PADDING}")
 
 
-class BF16PanelLinear(nn.Module):
+class BF16PanelLinear(KernelModule, nn.Module):
     """y = x @ W.T (+ b) on augury's dense bfloat16 kernel (models/cpu_kernels.py): the weights, in
     panels of 8 columns, widened exactly and summed in float32 in one fixed order per value, the
     output rounded once (+ a bfloat16 bias rounded again, as a bfloat16 nn.Linear). Rows are
     row-count invariant, so no padding. Measured on the demo's linears (2 threads, paired, medians of
     5) against fbgemm's float16 GEMM: 1 row 22.3 vs 37.2 ms, 4 rows 28.0 vs 38.4, 8 rows 33.6 vs
     48.1, 16 rows 46.3 vs 58.1, 64 rows 147 vs 141, 256 rows 581 vs 529. `out_dtype` float32 (an
-    output layer's logits) skips the rounding."""
+    output layer's logits) skips the rounding. Its panels and bias stay bfloat16 through `.to(dtype)`
+    (KernelModule)."""
+
+    kernel_devices = ("cpu",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel,
                  out_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -173,6 +181,13 @@ class BF16PanelLinear(nn.Module):
         if self.bias is not None and bias is None:
             y = y + self.bias.float()
         return y.view(*shape[:-1], self.out_features)
+
+    def fused_fields(self) -> list[int] | None:
+        """(panels, 0, 0, bias) for the fused stack (models/fused.py): a bfloat16 layer projection."""
+        bias = self.bias
+        if self.out_dtype != torch.bfloat16 or bias is not None and not bias.is_contiguous():
+            return None
+        return [self.panels.data_ptr(), 0, 0, 0 if bias is None else bias.data_ptr()]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -11,6 +11,15 @@ quantization="none" on CPUs without native bfloat16 GEMMs), without q/k norms, o
 exact rows on augury's attention kernel (decode steps and verified trees; prefill chunks take the
 masked path) over a bfloat16 cache, with no gradient wanted. Everywhere else the layer-by-layer
 forward runs. Both compute the same bits (tests/test_fused.py), so a step may take either.
+
+The table holds raw addresses, built once; it goes stale when a tensor it points at moves or is
+replaced. Every module whose tensors a table may read (the target's layers, norms and kernel
+linears) is a `Watched` module: moving or converting one (`_apply`: `.to()`, `.float()`, ...) or
+assigning a module, parameter or buffer to it bumps one global counter, and a table built at an
+older count is rebuilt before its next run (one integer compared per step, no walk of the
+modules). Kernel linears (`KernelModule`: models/quant.py, models/dense.py) hold their tensors in
+the layout and dtype their kernel reads, so a floating conversion leaves those tensors as they are
+(the module keeps computing exactly what it did; see KernelModule) and only device moves carry them.
 """
 from __future__ import annotations
 
@@ -20,6 +29,76 @@ from augury.cpu import kernels as cpu_kernels
 
 FIELDS = 18  # per layer: the order of kernels/forward.cpp's Field enum
 
+_epoch = 0  # bumped whenever a Watched module moves, converts or has a module or tensor assigned
+
+
+def epoch() -> int:
+    """The staleness counter: a table built at an older value may hold stale addresses."""
+    return _epoch
+
+
+def stale() -> None:
+    """Mark every fused table built so far stale (they are rebuilt on their next forward)."""
+    global _epoch
+    _epoch += 1
+
+
+class Watched:
+    """Mixin (before nn.Module) for modules whose tensors a fused table may hold: `_apply` (any
+    move or conversion) and assigning a module, parameter or buffer mark every table stale. Cheap:
+    none of this runs on the decode path."""
+
+    def _apply(self, fn, *args, **kwargs):
+        stale()
+        return super()._apply(fn, *args, **kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in self.__dict__.get("_modules", ()):
+            stale()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        stale()
+
+
+def _kernel_fn(fn, module, devices: tuple[str, ...] | None):
+    """`fn` (an `_apply` conversion) as it applies to a kernel module's tensors: a conversion that
+    changes a tensor's dtype leaves the tensor as it is (moving it only if `fn` also moves it);
+    anything else (device moves, to_empty, share_memory) applies as usual. `devices`: the device
+    types the module's packed layout serves (None: any); a move elsewhere is a ValueError."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        probe = fn(t.new_empty(0))  # what fn does to a tensor of t's dtype and device
+        if devices is not None and probe.device.type != t.device.type and probe.device.type not in devices:
+            raise ValueError(f"{type(module).__name__} holds weights packed for a kernel that runs on "
+                             f"{' or '.join(devices)}, not {probe.device.type}: build it on that device instead")
+        if probe.dtype == t.dtype:
+            return fn(t)
+        return t if probe.device == t.device else t.to(probe.device)
+
+    return apply
+
+
+class KernelModule(Watched):
+    """Mixin (before nn.Module) for linears that hold a kernel's packed weights, scales and bias in
+    the dtypes that kernel reads, and compute in their own `dtype` whatever the input's.
+
+    `.to(dtype)` / `.float()` / `.half()` leave those tensors (and `dtype`) as they are; device
+    moves carry them (to the device types in `kernel_devices`, where a packed layout only serves
+    some). Converting them instead would feed the kernel, and a fused table built on their
+    addresses, bytes of another dtype (silent garbage), and no single `dtype` change serves every
+    kernel (the w4a8, w8a8 and bf16 kernels run bfloat16 only). So a converted model keeps its
+    quantised layers' numbers exactly; its other tensors (embedding, norms) convert as usual."""
+
+    kernel_devices: tuple[str, ...] | None = None
+
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(_kernel_fn(fn, self, self.kernel_devices), *args, **kwargs)
+
+    def fused_fields(self) -> list[int] | None:
+        """The fused kernel's four fields for this linear as a layer projection, or None."""
+        return None
+
 
 def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
@@ -27,18 +106,10 @@ def _addr(t: torch.Tensor | None) -> int:
 
 def _linear_fields(lin) -> list[int] | None:
     """The kernel's four fields for one projection: (codes, scale, zero, bias) of a w4a8 int4 linear
-    in bfloat16, (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel; else None."""
-    from augury.models.dense import BF16PanelLinear
-    from augury.models.quant import Int4Linear
-
-    bias = lin.bias
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        return None
-    if isinstance(lin, BF16PanelLinear) and lin.out_dtype == torch.bfloat16:
-        return [lin.panels.data_ptr(), 0, 0, _addr(bias)]
-    if not isinstance(lin, Int4Linear) or lin.backend != "w4a8" or lin.dtype != torch.bfloat16:
-        return None
-    return [lin.w4a8_codes.data_ptr(), lin.w4a8_scale.data_ptr(), lin.w4a8_zero.data_ptr(), _addr(bias)]
+    in bfloat16, (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel (each kernel
+    module's `fused_fields`); else None."""
+    fields = getattr(lin, "fused_fields", None)
+    return fields() if callable(fields) else None
 
 
 class FusedStack:
@@ -47,6 +118,7 @@ class FusedStack:
     def __init__(self, model, kernel: cpu_kernels.Forward, table: torch.Tensor, held: list[torch.Tensor]) -> None:
         cfg = model.cfg
         self.model, self.kernel, self.table = model, kernel, table
+        self.epoch = epoch()  # stale once the counter moves on (see Watched)
         self.held = held  # the tensors whose addresses the table holds, kept alive with it
         self.h, self.nh, self.nkv, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inter, self.layers, self.eps = cfg.intermediate_size, cfg.num_layers, float(cfg.rms_norm_eps)

@@ -11,12 +11,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.models.config import TargetConfig
-from augury.models.fused import FusedStack
+from augury.models import fused
+from augury.models.fused import FusedStack, Watched
 from augury.attention.base import PagedAttention
 from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed, silu_mul
 
 
-class Attention(nn.Module):
+class Norm(Watched, RMSNorm):
+    """The target's RMSNorm, watched for the fused table (models/fused.py)."""
+
+
+class LayerList(Watched, nn.ModuleList):
+    """The target's layer stack, watched for the fused table (`model.layers[i] = ...`)."""
+
+
+class Attention(Watched, nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -24,8 +33,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.q_norm = Norm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = Norm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: PagedAttention, layer: int):
         b, ql, _ = x.shape
@@ -39,7 +48,7 @@ class Attention(nn.Module):
         return self.o_proj(attn(layer, q, k, v))  # the backend writes k, v to the cache and attends
 
 
-class MLP(nn.Module):
+class MLP(Watched, nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
         super().__init__()
         self.inter = inter
@@ -50,12 +59,12 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Watched, nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, h, cos, sin, attn: PagedAttention, layer: int):
@@ -64,16 +73,19 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class TargetModel(nn.Module):
-    """Llama-family causal LM. ``forward`` -> (normed hidden [B,Q,H], aux [B,Q,len(aux)*H] or None)."""
+class TargetModel(Watched, nn.Module):
+    """Llama-family causal LM. ``forward`` -> (normed hidden [B,Q,H], aux [B,Q,len(aux)*H] or None).
+
+    Its layers, norms and kernel linears are `fused.Watched`: moving, converting or swapping any of
+    them after a forward makes the fused table (`_fused`) stale, and the next forward builds it again."""
 
     def __init__(self, cfg: TargetConfig, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.quantization = "none"  # the linears' mode once loaded: "none", "int8" or "int4" (models/quant.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = LayerList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_len)
         self._fused: FusedStack | None | bool = None  # models/fused.py: None until tried, False if it cannot
@@ -101,7 +113,7 @@ class TargetModel(nn.Module):
         # 0.105 with a bfloat16 stream, transformers' 0.110). Elementwise, so rows stay independent.
         h = h.float()
         if self._fused is not False:  # the whole stack in one C++ call where model and step allow
-            if self._fused is None:
+            if self._fused is None or self._fused.epoch != fused.epoch():  # none yet, or stale
                 self._fused = FusedStack.build(self) or False
             if self._fused and (done := self._fused.run(h, cos, sin, attn, aux_layers)) is not None:
                 return done

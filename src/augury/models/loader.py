@@ -161,12 +161,13 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                     raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(codes.shape)}, "
                                      f"expected {list(dense.weight.shape)}")
                 if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
-                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype)
+                    # packed where it runs, for the kernel the dtype and device choose
+                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, device=device)
                     count += 1
             elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
                                         or packed_output_layer(dense, dtype, device)) is not None:
                 new = packed
-            elif all(sources.get(n) == "Q8_0" for n in names):
+            elif all(sources.get(n) == "Q8_0" for n in names) and quant.int8_available(device):
                 new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype)
             if new is not None:
                 parent, _, attr = path.rpartition(".")
@@ -174,14 +175,25 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
     return count
 
 
-def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype) -> str:
-    """The mode a target loads in. A GGUF conversion's native int4 weights ("gguf-int4") serve "int4"
-    and, in 16-bit dtypes, "auto"; float32 is the reference mode, so "auto" runs it dense there (the
+def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype,
+                         device: torch.device | str = "cpu") -> str:
+    """The mode a target loads in on `device`. A GGUF conversion's native int4 weights ("gguf-int4")
+    serve "int4" and, in 16-bit dtypes where an int4 kernel runs that dtype on the device
+    (quant.default_int4_backend: the CPU's, or torch's CUDA kernel in bfloat16 on sm80+), "auto";
+    elsewhere "auto" runs dense. float32 is the reference mode, so "auto" runs it dense (the
     kernels' float32 path is also slow: on the demo at one row, AVX2, int4 277 ms per token against
-    F.linear's 45 ms, and a 1536-token prefill took 188 s in the int4 kernel)."""
+    F.linear's 45 ms, and a 1536-token prefill took 188 s in the int4 kernel). An explicit "int4" or
+    "int8" with no kernel for the dtype on the device is a ValueError."""
+    from augury.models import quant
+
+    device = torch.device(device)
     native = (folder / INT4_INDEX).is_file()
     if quantization == "auto":
-        return "gguf-int4" if native and dtype in (torch.bfloat16, torch.float16) else "none"
+        fast = dtype in (torch.bfloat16, torch.float16) and quant.default_int4_backend(dtype, device) is not None
+        return "gguf-int4" if native and fast else "none"
+    if quantization in ("int4", "int8") and not quant.mode_available(quantization, dtype, device):
+        raise ValueError(f"quantization={quantization!r}: no {quantization} kernel runs {dtype} on {device.type} "
+                         f"(int4 on CUDA: torch's kernel, bfloat16 on sm80+); use 'auto' or 'none'")
     if quantization == "int4" and native:
         return "gguf-int4"
     return quantization
@@ -200,6 +212,7 @@ def load_target(
     if not folder.is_dir():
         raise ValueError(f"model path {folder} does not exist or is not a folder")
     cfg = TargetConfig.from_folder(folder)
+    mode = resolve_quantization(folder, quantization, dtype, device)  # before the weights: fails fast
     tensors = read_tensors(folder)
     with torch.device("meta"):
         model = TargetModel(cfg, max_len=1)
@@ -210,7 +223,6 @@ def load_target(
     copy_strict(target_weight_map(model), tensors, f"target checkpoint {folder}", optional)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
-    mode = resolve_quantization(folder, quantization, dtype)
     if mode == "gguf-int4":
         load_native_int4(model, folder, dtype)
         model.quantization = "int4"

@@ -1,9 +1,12 @@
 """Weight-only quantised linears, and the model-wide swap.
 
 Int8Linear: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
-Int4Linear: group 32, asymmetric (a scale and a zero per group): in bfloat16 augury's w4a8 kernel
-(augury/cpu) where it builds, else `torch._weight_int4pack_mm_for_cpu` on weights
-packed by `torch._convert_weight_to_int4pack_for_cpu`.
+Int4Linear: group 32, asymmetric (a scale and a zero per group). The device and dtype choose the
+kernel (`default_int4_backend`): on the CPU, in bfloat16 augury's w4a8 kernel (augury/cpu) where it
+builds, else `torch._weight_int4pack_mm_for_cpu` on weights packed by
+`torch._convert_weight_to_int4pack_for_cpu`; on CUDA, in bfloat16 on sm80+, torch's CUDA kernel
+(`torch._weight_int4pack_mm` on `torch._convert_weight_to_int4pack`'s layout); elsewhere none
+(loader.resolve_quantization then loads "auto" dense, and asks for "int4" fail).
 
 Torch facts these modules stand on (torch 2.13 CPU, checked by tests/test_quant.py):
 - int4 value convention: w = (q - 8) * scale + zero, q in 0..15; `scales_and_zeros` is
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
+from augury.models.fused import KernelModule
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +49,20 @@ INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be div
 OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
 
 
-class _QuantLinear(nn.Module):
-    """Shared forward: the quantised kernel at every row count, then the bias."""
+class _QuantLinear(KernelModule, nn.Module):
+    """Shared forward: the quantised kernel at every row count, then the bias. Computes in `dtype`
+    whatever the model is converted to (KernelModule: `.to(dtype)` leaves its tensors); activations
+    of another floating dtype are rounded to `dtype` on the way in, and the output is returned in
+    theirs (in a model as loaded they are always `dtype`)."""
 
     in_features: int
     out_features: int
 
-    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
         self.dtype = dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device=device, dtype=dtype).clone(),
+                                                           requires_grad=False)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x [M, in] -> [M, out]
         raise NotImplementedError
@@ -81,6 +89,8 @@ class _QuantLinear(nn.Module):
         y = self._kernel(x2.contiguous())
         if self.bias is not None:
             y = y + self.bias
+        if x.dtype != self.dtype and x.is_floating_point():  # a converted model's activations: back to theirs
+            y = y.to(x.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -114,43 +124,111 @@ class Int8Linear(_QuantLinear):
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
-INT4_BACKENDS = ("torch", "w4a8")
+INT4_BACKENDS = ("torch", "w4a8", "cuda")
+# the device types each backend's packed layout serves (meta: shapes only, for checks without a GPU)
+INT4_DEVICES = {"torch": ("cpu",), "w4a8": ("cpu",), "cuda": ("cuda", "meta")}
+CPU = torch.device("cpu")
 
 
-def default_int4_backend(dtype: torch.dtype) -> str:
-    """"w4a8" (augury's kernel, models/cpu_kernels.py) for bfloat16 activations where it builds
-    and loads; else "torch" (torch's int4 kernel: float32, the reference mode, always takes it)."""
-    if dtype != torch.bfloat16:
-        return "torch"
-    return "w4a8" if cpu_kernels.w4a8() is not None else "torch"
+def _has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether this torch build registers a `dispatch_key` ("CPU", "CUDA") kernel for aten::`op`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", dispatch_key)
+
+
+def cuda_int4_available(device: torch.device) -> bool:
+    """Whether torch's CUDA int4 kernel runs on `device`: a CUDA (not ROCm) build registering
+    `_convert_weight_to_int4pack` and `_weight_int4pack_mm` for CUDA, and a GPU of compute
+    capability 8.0 or more (the kernel's tensor-core path; it takes bfloat16 activations only)."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return False
+    if not (_has_kernel("_convert_weight_to_int4pack", "CUDA") and _has_kernel("_weight_int4pack_mm", "CUDA")):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def int8_available(device: torch.device) -> bool:
+    """Whether Int8Linear's kernel (`torch._weight_int8pack_mm`) runs on `device`."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.is_available() and _has_kernel("_weight_int8pack_mm", "CUDA")
+
+
+def default_int4_backend(dtype: torch.dtype, device: torch.device | str = CPU) -> str | None:
+    """The int4 kernel for activations of `dtype` on `device`, or None where none runs (the caller
+    keeps such linears dense: loader.resolve_quantization). On the CPU "w4a8" (augury's kernel,
+    augury/cpu) for bfloat16 where it builds and loads, else "torch" (torch's CPU int4 kernel:
+    float32, the reference mode, always takes it); on CUDA "cuda" (torch's CUDA int4 kernel) for
+    bfloat16 where cuda_int4_available, else None; on any other device None."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "w4a8" if dtype == torch.bfloat16 and cpu_kernels.w4a8() is not None else "torch"
+    if device.type == "cuda":
+        return "cuda" if dtype == torch.bfloat16 and cuda_int4_available(device) else None
+    return None
+
+
+def mode_available(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether quantisation `mode` ("none", "int8", "int4") has a kernel for `dtype` on `device`."""
+    if mode == "int4":
+        return default_int4_backend(dtype, device) is not None
+    if mode == "int8":
+        return int8_available(device)
+    return True
+
+
+def cuda_int4_layout(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] 0..15 -> [N, K/2] uint8 as `torch._convert_weight_to_int4pack` (CUDA) takes
+    them: column 2i in the high nibble, 2i+1 in the low one (INT4_FILE's order is the reverse)."""
+    c = codes.to(torch.int32)
+    return ((c[:, ::2] << 4) | c[:, 1::2]).to(torch.uint8)
+
+
+def _inner_k_tiles(k: int) -> int:
+    """The CUDA layout's tiles of 16 along K per packed row: the largest of 8, 4, 2 dividing K / 16."""
+    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
 
 
 class Int4Linear(_QuantLinear):
     """Group-32 asymmetric int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32.
 
-    Two kernels (`backend`): "torch" (torch's int4 kernel on its packed layout; the activations
-    stay in their dtype) and "w4a8" (augury's, models/cpu_kernels.py: the activations are rounded
-    to int8 per row and group of 32, as llama.cpp does for its Q4 types). Both are row-count
-    invariant; w4a8 cost less on the demo (all its int4 linears, 2 threads, AVX2: 1 row 9.0 vs
-    11.3 ms, 9 rows 30.7 vs 43.4 ms) and rounds the activations (docs/architecture.md)."""
+    Three kernels (`backend`, chosen by dtype and device: default_int4_backend): "torch" (torch's
+    CPU int4 kernel on its packed layout; the activations stay in their dtype), "w4a8" (augury's
+    CPU kernel, augury/cpu: the activations are rounded to int8 per row and group of 32, as
+    llama.cpp does for its Q4 types) and "cuda" (torch's CUDA int4 kernel, bfloat16). The CPU
+    ones are row-count invariant; w4a8 cost less on the demo (all its int4 linears, 2 threads,
+    AVX2: 1 row 9.0 vs 11.3 ms, 9 rows 30.7 vs 43.4 ms) and rounds the activations
+    (docs/architecture.md). A packed layout serves its backend's device only (INT4_DEVICES)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, backend: str | None = None) -> None:
+                 dtype: torch.dtype, backend: str | None = None, device: torch.device | str | None = None) -> None:
         """codes [N, K] integers 0..15; scale, zero [N, K / 32] (any float dtype; rounded to `dtype`);
-        backend None = default_int4_backend(dtype)."""
-        super().__init__(bias, dtype)
+        device: where the module runs (None: the codes' device); backend None =
+        default_int4_backend(dtype, device)."""
         n, k = codes.shape
         if n % INT4_N_MULTIPLE or k % INT4_GROUP:
             raise ValueError(f"int4 needs out_features % {INT4_N_MULTIPLE} == 0 and in_features % {INT4_GROUP} == 0, "
                              f"got [{n}, {k}]")
-        backend = backend or default_int4_backend(dtype)
-        if backend not in INT4_BACKENDS or (backend == "w4a8" and dtype != torch.bfloat16):
-            raise ValueError(f"int4 backend must be one of {', '.join(INT4_BACKENDS)} (w4a8 with bfloat16 only), "
-                             f"got {backend!r} with {dtype}")
+        device = codes.device if device is None else torch.device(device)
+        backend = backend or default_int4_backend(dtype, device)
+        if backend is None:
+            raise ValueError(f"no int4 kernel runs {dtype} on {device} (on CUDA: torch's, bfloat16 on sm80+)")
+        if backend not in INT4_BACKENDS or (backend in ("w4a8", "cuda") and dtype != torch.bfloat16):
+            raise ValueError(f"int4 backend must be one of {', '.join(INT4_BACKENDS)} (w4a8 and cuda with bfloat16 "
+                             f"only), got {backend!r} with {dtype}")
+        if device.type not in INT4_DEVICES[backend]:
+            raise ValueError(f"the {backend!r} int4 backend runs on {' or '.join(INT4_DEVICES[backend])}, not {device}")
+        super().__init__(bias, dtype, device)
         self.backend = backend
+        self.kernel_devices = INT4_DEVICES[backend]
         self.out_features, self.in_features = n, k
-        scale, zero = scale.to(dtype), zero.to(dtype)
-        if backend == "w4a8":
+        scale, zero = scale.to(device=device, dtype=dtype), zero.to(device=device, dtype=dtype)
+        if backend == "cuda":
+            self.register_buffer("packed", torch._convert_weight_to_int4pack(
+                cuda_int4_layout(codes.to(device)).contiguous(), _inner_k_tiles(k)))
+            sz = torch.stack([scale, zero], dim=-1)  # [N, K/32, 2]
+            self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
+        elif backend == "w4a8":
             nib, s, z = cpu_kernels.W4A8.pack(codes, scale, zero)
             self.register_buffer("w4a8_codes", nib)  # [N, K/32, 16] uint8
             self.register_buffer("w4a8_scale", s)  # [N, Gp] bfloat16, zero-padded
@@ -162,7 +240,7 @@ class Int4Linear(_QuantLinear):
 
     @staticmethod
     def from_float(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   backend: str | None = None) -> "Int4Linear":
+                   backend: str | None = None, device: torch.device | str | None = None) -> "Int4Linear":
         n, k = weight.shape
         w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
@@ -172,7 +250,8 @@ class Int4Linear(_QuantLinear):
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group
         zero = (lo + 8.0 * scale).to(dtype).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15)
-        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, backend)
+        return Int4Linear(q.view(n, k).to(torch.int32), scale, zero, bias, dtype, backend,
+                          weight.device if device is None else device)
 
     def scales_device(self) -> torch.device:
         return (self.w4a8_scale if self.backend == "w4a8" else self.scales_and_zeros).device
@@ -192,18 +271,31 @@ class Int4Linear(_QuantLinear):
             if kernel is None:  # turned off after this module was built for it (AUGURY_CPU_KERNELS)
                 raise RuntimeError("this int4 linear was packed for augury's w4a8 kernel, which is unavailable now")
             return kernel.linear(x, self.w4a8_codes, self.w4a8_scale, self.w4a8_zero)
+        if self.backend == "cuda":
+            return torch._weight_int4pack_mm(x, self.packed, INT4_GROUP, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+    def fused_fields(self) -> list[int] | None:
+        """(codes, scale, zero, bias) for the fused stack: w4a8 in bfloat16 only (models/fused.py)."""
+        bias = self.bias
+        if self.backend != "w4a8" or self.dtype != torch.bfloat16 or \
+                bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return None
+        return [self.w4a8_codes.data_ptr(), self.w4a8_scale.data_ptr(), self.w4a8_zero.data_ptr(),
+                0 if bias is None else bias.data_ptr()]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", backend={self.backend}"
 
 
-class W8A8OutputLinear(nn.Module):
+class W8A8OutputLinear(KernelModule, nn.Module):
     """A quantised target's output layer on augury's w8a8 kernel (augury/cpu): int8
     weights with a float32 scale per group of 32 (GGUF's Q8_0 layout and rule) against activations
     rounded to int8 per group, float32 logits out. Measured on the demo's 49152 x 576 (2 threads,
     paired, median of 7): 1 row 2.0 ms against fbgemm's float16 GEMM 4.4 ms, 4 rows 2.7 vs 4.6,
     9 rows 8.7 vs 10.0, 16 rows 9.3 vs 14.0. Rows are row-count invariant."""
+
+    kernel_devices = ("cpu",)
 
     def __init__(self, weight: torch.Tensor, kernel: cpu_kernels.W8A8) -> None:
         super().__init__()
@@ -256,21 +348,28 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
-                    name: str = "", _warned: set | None = None) -> nn.Module | None:
-    """A quantised module for weight [out, in], or None when `mode` cannot take this shape."""
-    if mode == "int8":
-        return Int8Linear.from_float(weight, bias, dtype)
+                    name: str = "", _warned: set | None = None, device: torch.device | None = None
+                    ) -> nn.Module | None:
+    """A quantised module for weight [out, in] on `device` (None: the weight's), or None when `mode`
+    cannot take this shape or has no kernel for `dtype` there (mode_available)."""
+    device = weight.device if device is None else torch.device(device)
     n, k = weight.shape
-    if n % INT4_N_MULTIPLE or k % INT4_GROUP:
+    reason = None
+    if not mode_available(mode, dtype, device):
+        reason = f"no {mode} kernel runs {dtype} on {device.type}"
+    elif mode == "int8":
+        return Int8Linear.from_float(weight, bias, dtype).to(device)
+    elif n % INT4_N_MULTIPLE or k % INT4_GROUP:
         reason = (f"int4 needs in_features % {INT4_GROUP} == 0 and out_features % {INT4_N_MULTIPLE} == 0 "
                   f"(torch's int4 kernel)")
+    if reason is not None:
         key = (n, k)
         if _warned is None or key not in _warned:
             log.warning("%s [%d, %d] stays dense: %s", name or "a linear", n, k, reason)
             if _warned is not None:
                 _warned.add(key)
         return None
-    return Int4Linear.from_float(weight, bias, dtype)
+    return Int4Linear.from_float(weight, bias, dtype, device=device)
 
 
 def _dense_linears(module: nn.Module):
@@ -299,9 +398,9 @@ def quantize_linears(root: nn.Module, mode: str, dtype: torch.dtype, device: tor
     for name, child in list(_dense_linears(root)):
         if name in skip:
             continue
-        new = quantize_linear(child.weight, child.bias, mode, dtype, name, warned)
+        new = quantize_linear(child.weight, child.bias, mode, dtype, name, warned, device)
         if new is not None:
-            _swap(root, name, new.to(device))
+            _swap(root, name, new)
             swapped += 1
     return swapped
 
@@ -321,7 +420,8 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype) -> nn.Module
         out_mode = OUTPUT_LAYER_MODE[mode]
         head = w8a8_output_layer(layer, dtype, device) or packed_output_layer(layer, dtype, device)
         if head is None:
-            head = quantize_linear(layer.weight, getattr(layer, "bias", None), out_mode, dtype, "lm_head")
+            head = quantize_linear(layer.weight, getattr(layer, "bias", None), out_mode, dtype, "lm_head",
+                                   device=device)
         if head is not None:
             model.lm_head = head.to(device)
     model.quantization = mode
