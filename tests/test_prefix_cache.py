@@ -342,6 +342,34 @@ def test_request_aborted_mid_prefill_leaves_valid_blocks(ckpts):
     assert_no_leaks(eng)
 
 
+def test_reset_prefix_cache_mid_generation_registers_the_running_blocks_again(ckpts):
+    """reset_prefix_cache() while a request runs forgets every key; the request's committed blocks
+    are offered again (it used to keep its registered count, so they never were), and a later
+    request with the same prefix hits them."""
+    prompt = _tokens(40, seed=41)  # two full blocks and 8 tokens
+    ref = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False)
+    want = ref.generate([prompt], _greedy(1, max_tokens=20), use_tqdm=False)[0].token_ids
+    llm = _llm(ckpts["target"], speculative_algorithm="none")
+    eng = llm.engine
+    rid = eng.add_request(prompt, _greedy(1, max_tokens=20)[0])
+    for _ in range(3):  # prefill, then decode steps: the two full prompt blocks are registered
+        eng.step()
+    req = eng.requests[rid]
+    assert eng.allocator.num_cached == 2 and req.num_registered == 2
+    eng.reset_prefix_cache()
+    assert eng.allocator.num_cached == 0 and req.num_registered == 0
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out = o
+    assert out.token_ids == want
+    assert eng.allocator.num_cached == (40 + 20 - 1) // BS  # every full committed block, the prompt's too
+    again = llm.generate([prompt], _greedy(1, max_tokens=20), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == want
+    assert_no_leaks(eng)
+
+
 def test_many_requests_share_one_prefix_at_once(ckpts):
     prompts = _shared(90, [1 + 3 * i for i in range(12)], seed=41)
     params = _greedy(len(prompts), max_tokens=16)

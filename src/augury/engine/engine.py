@@ -123,8 +123,9 @@ class Engine:
             self.scheduler.remove(req)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks that running requests hold stay theirs)."""
-        self.allocator.reset_cache()
+        """Forget every cached prefix (blocks that running requests hold stay theirs, and are offered
+        to the cache again as they run: Scheduler.reset_prefix_cache)."""
+        self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -174,6 +174,14 @@ class Scheduler:
             hit.append(b)
         return hit
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix. Blocks running requests hold stay theirs, unregistered: their
+        registered counts go back to 0, so cache_blocks offers their committed blocks again (under the
+        same keys: the KV is still there), and later requests can hit them as before."""
+        self.allocator.reset_cache()
+        for req in (*self.running, *self.waiting):
+            req.num_registered = 0
+
     def cache_blocks(self, req: Request) -> None:
         """Offer req's full blocks whose every token's KV is committed to the prefix cache."""
         if not self.allocator.enable_caching:
