@@ -1,12 +1,18 @@
-"""Tiny checkpoints for speculation tests: random targets and EAGLE-3 heads in the SGLang format."""
+"""Tiny checkpoints for speculation tests (random targets and EAGLE-3 heads in the SGLang format), and
+the verifiers tests call directly (verify_greedy, verify_sampling, fresh_uniforms: the engine calls
+speculative.verifier.verify only)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from augury.speculative import verifier
+from augury.speculative.tree import DraftTree
 
 HIDDEN, VOCAB, LAYERS = 64, 256, 6
 
@@ -112,3 +118,32 @@ def checkpoints(root: Path) -> dict[str, Path]:
     bigram = make_target(root / "bigram", bigram=True)
     return {"target": make_target(root / "target"), "head": random_head(root / "head"), "bigram": bigram,
             "bigram_head": bigram_head(root / "bigram_head", bigram)}
+
+
+# ---- verifiers for tests ---------------------------------------------------------------------------
+
+def verify_greedy(tree: DraftTree, target_logits: verifier.NodeValues) -> verifier.VerifyResult:
+    """target_logits [B, N, V] (or a row function): every row verified greedily (verify at temperature 0)."""
+    b = tree.batch_size
+    return verifier.verify(tree, target_logits, [0.0] * b, [None] * b, [1.0] * b)
+
+
+def fresh_uniforms(tree: DraftTree, rows: Sequence[int]) -> dict[int, list[float]]:
+    """Uniforms from the global generator for every level of `rows`' trees (for tests without
+    per-request streams, e.g. statistical ones)."""
+    n = int(tree.depth.max()) + 1 if tree.depth.numel() else 1
+    u = torch.rand(len(rows), n, dtype=torch.float64).tolist()
+    return dict(zip(rows, u))
+
+
+def verify_sampling(tree: DraftTree, target_probs: verifier.NodeValues,
+                    uniforms: Sequence[Sequence[float]] | None = None) -> verifier.VerifyResult:
+    """target_probs [B, N, V] (or a row function): the target's distributions at every node, already
+    filtered. uniforms[b][d]: request b's uniform for its d-th new position (None: fresh_uniforms).
+    verify's sampling walk without its filters."""
+    rows = list(range(tree.batch_size))
+    if uniforms is None:
+        fresh = fresh_uniforms(tree, rows)
+        uniforms = [fresh[b] for b in rows]
+    walk = verifier._walk(tree, rows, verifier._rows_at(target_probs), verifier._sampling_step(uniforms))
+    return verifier._result(walk, tree.batch_size)

@@ -7,8 +7,8 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.speculative.tree import DraftTree, cap_trees, depth_from_parents, with_root_only_rows
-from augury.speculative.verifier import verify, verify_greedy, verify_sampling
-from speculative_helpers import checkpoints
+from augury.speculative.verifier import verify
+from speculative_helpers import checkpoints, verify_greedy, verify_sampling
 
 
 def _tree(tokens, parents) -> DraftTree:

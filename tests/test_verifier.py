@@ -12,7 +12,8 @@ from scipy.stats import chisquare
 
 from augury.speculative import verifier
 from augury.speculative.tree import DraftTree, chain_tree, depth_from_parents
-from augury.speculative.verifier import apply_sampling_filters, verify, verify_greedy, verify_sampling
+from augury.speculative.verifier import apply_sampling_filters, verify
+from speculative_helpers import fresh_uniforms, verify_greedy, verify_sampling
 
 
 def _tree(tokens: list[list[int]], parents: list[list[int]]) -> DraftTree:
@@ -152,7 +153,9 @@ def _emit_two(b: int, temperature: float, top_k: int | None, top_p: float, seed:
     def step(roots: torch.Tensor) -> list[list[int]]:
         tree = _stat_tree(roots, root_kids)
         n = roots.shape[0]
-        res = verify(tree, TARGET[tree.tokens], [temperature] * n, [top_k] * n, [top_p] * n, None)
+        fresh = fresh_uniforms(tree, range(n))  # the global generator, seeded below
+        res = verify(tree, TARGET[tree.tokens], [temperature] * n, [top_k] * n, [top_p] * n,
+                     [fresh[b] for b in range(n)])
         return res.committed_tokens(tree)
 
     with torch.random.fork_rng():
@@ -336,3 +339,25 @@ def test_root_only_trees_and_row_function() -> None:
 
     assert verify(tree, rows, [0.0, 1.0, 0.5], [None, None, 2], [1.0, 0.9, 1.0], _gens([1, 2, 3])) == res
     assert sorted(calls) == [1, 2]  # one greedy level, one sampling level
+
+
+def test_the_package_holds_no_test_only_verifiers() -> None:
+    """verify_greedy, verify_sampling and fresh_uniforms served tests only: they live in
+    tests/speculative_helpers.py, and the engine's verify() takes every sampled row's uniforms
+    (Request.uniforms) instead of drawing global ones."""
+    import inspect
+
+    from augury.models import quant
+
+    for name in ("verify_greedy", "verify_sampling", "fresh_uniforms"):
+        assert not hasattr(verifier, name), name
+    assert not hasattr(quant.Int8Linear, "reference_dequantize")
+    tree = _stat_tree(torch.tensor([1, 2]))
+    logits = torch.randn(2, 10, V)
+    with pytest.raises(ValueError, match="uniforms"):
+        verify(tree, logits, [0.0, 1.0], [None, None], [1.0, 1.0], None)
+    with pytest.raises(ValueError, match="uniforms"):
+        verify(tree, logits, [0.0, 1.0], [None, None], [1.0, 1.0], [None, None])
+    greedy = verify(tree, logits, [0.0, 0.0], [None, None], [1.0, 1.0], None)  # greedy rows need none
+    assert greedy == verify_greedy(tree, logits)
+    assert "torch.rand" not in inspect.getsource(verifier)

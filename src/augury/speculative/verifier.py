@@ -99,12 +99,6 @@ def _greedy_step(active: list[int], kid_toks: list[list[int]], logits: torch.Ten
     return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
 
 
-def verify_greedy(tree: DraftTree, target_logits: NodeValues) -> VerifyResult:
-    """target_logits [B, N, V] (or a row function, see NodeValues). Emits the same tokens as plain
-    greedy decoding with torch.argmax (first index on ties): use torch.argmax there too."""
-    return _result(_walk(tree, list(range(tree.batch_size)), _rows_at(target_logits), _greedy_step), tree.batch_size)
-
-
 # --------------------------------------------------------------------------------------- sampling
 
 def _uniform_at(uniforms: Sequence[Sequence[float]], row: int, level: int) -> float:
@@ -136,35 +130,18 @@ def _sampling_step(uniforms: Sequence[Sequence[float]]) -> _Step:
     return step
 
 
-def fresh_uniforms(tree: DraftTree, rows: Sequence[int]) -> dict[int, list[float]]:
-    """Uniforms from the global generator for every level of `rows`' trees (for callers without
-    per-request streams, e.g. statistical tests)."""
-    n = int(tree.depth.max()) + 1 if tree.depth.numel() else 1
-    u = torch.rand(len(rows), n, dtype=torch.float64).tolist()
-    return dict(zip(rows, u))
-
-
-def verify_sampling(tree: DraftTree, target_probs: NodeValues,
-                    uniforms: Sequence[Sequence[float]] | None = None) -> VerifyResult:
-    """target_probs [B, N, V] (or a row function): the target's distributions at every node after
-    temperature, top-k, top-p. uniforms[b][d]: request b's uniform for its d-th new position (at
-    least its tree's depth + 1 of them; None: fresh ones from the global generator). Lossless:
-    the emitted tokens are those plain sampling draws with the same uniforms."""
-    rows = list(range(tree.batch_size))
-    if uniforms is None:
-        fresh = fresh_uniforms(tree, rows)
-        uniforms = [fresh[b] for b in rows]
-    return _result(_walk(tree, rows, _rows_at(target_probs), _sampling_step(uniforms)), tree.batch_size)
-
-
 # ------------------------------------------------------------------------------------------- mixed
 
 def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[float],
            top_ks: Sequence[int | None], top_ps: Sequence[float],
            uniforms: Sequence[Sequence[float] | None] | None = None) -> VerifyResult:
     """target_logits [B, N, V] raw logits (or a row function). Rows with temperature 0 verify
-    greedily; the others by sampling from the filtered target, computed only at visited nodes, at
-    uniforms[b] (see verify_sampling; None, for all or for a row: fresh global ones)."""
+    greedily, emitting the same tokens as plain greedy decoding with torch.argmax (first index on
+    ties). The others verify by sampling from the filtered target, computed only at visited nodes:
+    uniforms[b][d] is request b's uniform for its d-th new position (Request.uniforms: at least its
+    tree's depth + 1 of them), and the emitted tokens are those plain sampling draws with the same
+    uniforms. Greedy rows need none (uniforms, or its entry, may be None); a sampled row without
+    them is a ValueError."""
     b_all = tree.batch_size
     if not len(temperatures) == len(top_ks) == len(top_ps) == b_all:
         raise ValueError(f"verify: need one temperature, top_k and top_p per request ({b_all})")
@@ -178,8 +155,7 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
                                           [top_ks[b] for b in bs], [top_ps[b] for b in bs])
         per_row = list(uniforms) if uniforms is not None else [None] * b_all
         missing = [b for b in sampled if per_row[b] is None]
-        if missing:  # only callers without per-request streams (tests) get here
-            for b, u in fresh_uniforms(tree, missing).items():
-                per_row[b] = u
+        if missing:
+            raise ValueError(f"verify: sampled rows {missing} need their uniforms (Request.uniforms)")
         res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row)))
     return _result(res, b_all)
