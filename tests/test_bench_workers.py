@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import pytest
 
@@ -117,3 +118,62 @@ def test_bench_smoke_two_augury_systems_in_their_own_processes(tiny_checkpoint, 
     assert results["augury-off@int8"]["greedy_match"] <= 1.0
     table = format_table(rows)
     assert "process of" in table and str(results["augury"]["pid"]) in table
+
+
+_FAKE_LLAMA_CPP = '''
+class Llama:  # the little of llama-cpp-python's API the llama.cpp system uses
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+        self.n_threads = n_threads
+
+    def reset(self):
+        pass
+
+    def set_seed(self, seed):
+        pass
+
+    def generate(self, prompt, **kwargs):
+        while True:
+            yield len(prompt)
+
+    def close(self):
+        pass
+'''
+
+
+def test_the_llama_cpp_worker_loads_no_torch(tmp_path, monkeypatch) -> None:
+    """The llama.cpp system (a stand-in llama_cpp module on the user's PYTHONPATH) in its worker:
+    its n_threads reported, no torch (nor its OpenMP runtime) loaded, no augury variables."""
+    fake = tmp_path / "site" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_FAKE_LLAMA_CPP)
+    monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    user = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    user["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fake.parent), user.get("PYTHONPATH")]))
+    settings = SystemSettings(str(tmp_path), "float32", "cpu", 1, 32, gguf=str(tmp_path / "x.gguf"), threads=2,
+                              eos_ids=(2,))
+    worker = WorkerSystem("llama.cpp", settings, user_env=user).start()
+    try:
+        info = worker.wait_loaded()
+        assert info["threads"] == 2 and info["kernels_isa"] is None and info["omp_wait_policy"] is None
+        assert info["pid"] == worker.pid != os.getpid()
+        assert worker.generate([[5, 6, 7]], 4) == [[3, 3, 3, 3]]
+        assert worker.supports(1) and not worker.supports(2)
+        assert not worker.imported("torch")
+        assert "AUGURY_CACHE_DIR" not in worker.environ()
+    finally:
+        worker.close()
+
+
+def test_a_registered_system_reaches_its_worker_by_name(monkeypatch) -> None:
+    """A registered factory is imported by the worker; one that cannot be (a lambda) is refused
+    in this process with a message saying so."""
+    from augury import bench
+    from augury.bench.worker import _portable_factory
+
+    monkeypatch.setitem(bench.SYSTEMS, "peer-module", json.dumps)  # any importable module-level function
+    monkeypatch.setitem(bench.SYSTEMS, "peer-lambda", lambda s: None)
+    assert _portable_factory("augury-static:3-2-4") is None  # built in: found by name in the worker
+    assert pickle.loads(_portable_factory("peer-module")) is json.dumps
+    with pytest.raises(ValueError, match="module-level function"):
+        _portable_factory("peer-lambda")

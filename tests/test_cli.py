@@ -327,7 +327,11 @@ def _tiny_gguf(tmp_path: Path) -> Path:
 
 def test_bench_llama_cpp_row_without_the_peers_extra_is_one_line(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("AUGURY_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    # as if llama-cpp-python were not installed, in the llama.cpp worker (the user's PYTHONPATH reaches it)
+    fake = tmp_path / "site" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no llama_cpp here')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")])))
     code = main(["bench", "--model", str(_tiny_gguf(tmp_path)), "--systems", "augury,llama.cpp",
                  "--batch-sizes", "1", "--output-len", "4", "--repeats", "1", "--no-progress",
                  "--out", str(tmp_path / "out")])
@@ -344,6 +348,14 @@ def test_bench_llama_cpp_row_runs_the_same_gguf(tmp_path, monkeypatch) -> None:
     assert set(rows) == {"augury", "llama.cpp"}
     assert rows["llama.cpp"]["output_tokens"] == 6 and rows["llama.cpp"]["tokens_per_s"] > 0
     assert rows["llama.cpp"]["greedy_match"] == 1.0
+    # each in its own process; llama.cpp with the tests' thread count as n_threads, without augury's
+    # OMP_WAIT_POLICY (only a policy this test process was started with reaches it)
+    from augury.bench.worker import initial_environ
+
+    peer = rows["llama.cpp"]
+    assert len({peer["pid"], rows["augury"]["pid"], os.getpid()}) == 3
+    assert peer["threads"] == 1 and peer["kernels_isa"] is None and peer["isa"] == rows["augury"]["isa"]
+    assert peer["omp_wait_policy"] == (initial_environ() or {}).get("OMP_WAIT_POLICY")
 
 
 def test_bench_systems_take_a_quantisation_mode(tiny_checkpoint, tmp_path) -> None:

@@ -4,8 +4,11 @@ A system is anything with `name`, `generate(prompts, output_len, stop_at_eos=Fal
 per prompt` (exactly output_len new tokens each, or with stop_at_eos up to and including the
 first end-of-sequence token, at most output_len) and `close()`. Two are built in: augury's
 engine and transformers' `generate`. More rows (speculation on/off, policies) are added by
-registering a factory: `register_system("augury-eagle3", lambda s: AugurySystem(s, "augury-eagle3",
-speculative_algorithm="eagle3", ...))`, then `augury bench --systems transformers,augury,augury-eagle3`.
+registering a factory, a module-level function or class of an importable module: `def eagle3(s):
+return AugurySystem(s, "augury-eagle3", speculative_algorithm="eagle3", ...)`, `register_system(
+"augury-eagle3", eagle3)`, then `bench(BenchSettings(systems=("transformers", "augury-eagle3")))`.
+The benchmark builds each system in a worker process of its own (bench/worker.py), which imports
+a registered factory by name (so not a lambda).
 Heavy imports (torch, transformers) happen inside functions, so importing this is cheap.
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ class Row:
     system: str
     batch_size: int
     seconds: list[float]  # wall-clock, one per repeat
-    cpu_seconds: list[float]  # this process's CPU time, one per repeat (steadier on a shared machine)
+    cpu_seconds: list[float]  # the system's process's CPU time, one per repeat (steadier on a shared machine)
     output_tokens: int  # per repeat: batch_size * output_len, or what was generated with stop_at_eos
     ratio: float = 1.0  # tokens/s over the reference system's (wall-clock medians)
     # each repeat's tokens/s over the reference's in the same repeat (the two ran back to back, order

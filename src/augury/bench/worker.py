@@ -114,11 +114,12 @@ class WorkerSystem:
         import augury
 
         src = str(Path(augury.__file__).resolve().parents[1])  # this very augury, wherever it is installed
+        factory = _portable_factory(self.name) if load else None  # before starting: it may refuse the name
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, src, "peer" if is_peer(self.name) else "augury"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env)
         self.pid = self.proc.pid
         if load:
-            self._send("load", self.name, self.settings, _portable_factory(self.name))
+            self._send("load", self.name, self.settings, factory)
         return self
 
     def wait_loaded(self) -> dict[str, Any]:
@@ -146,7 +147,10 @@ class WorkerSystem:
         raise error
 
     def _died(self, command: str) -> WorkerError:
-        code = self.proc.wait(timeout=30) if self.proc else None
+        try:
+            code = self.proc.wait(timeout=30) if self.proc else None
+        except subprocess.TimeoutExpired:
+            code = "running, not answering"
         return WorkerError(f"{self.name}: its worker process exited (status {code}) during {command!r}; "
                            f"see its messages above")
 
@@ -157,6 +161,10 @@ class WorkerSystem:
     def process_info(self) -> dict[str, Any]:
         """The worker's pid, threads, ISA levels and OMP_WAIT_POLICY (as `info` after loading)."""
         return self.call("info")
+
+    def imported(self, module: str) -> bool:
+        """Whether the worker has imported `module` (a llama.cpp worker never imports torch)."""
+        return self.call("imported", module)
 
     def call(self, command: str, *args: Any) -> Any:
         self._send(command, *args)
@@ -170,7 +178,7 @@ class WorkerSystem:
             if proc.poll() is None:
                 pickle.dump(("close",), proc.stdin)
                 proc.stdin.close()
-                proc.wait(timeout=60)
+                proc.wait(timeout=10)  # a worker busy generating (the parent interrupted) is killed
         except (OSError, subprocess.TimeoutExpired, ValueError):
             proc.kill()
             proc.wait()
@@ -243,7 +251,8 @@ def _portable_factory(name: str) -> bytes | None:
     try:
         return pickle.dumps(factory)
     except (pickle.PicklingError, AttributeError, TypeError):
-        return None
+        raise ValueError(f"system {name!r}: its worker process cannot import its factory {factory!r}; register "
+                         f"a module-level function or class of an importable module") from None
 
 
 # ---------------------------------------------------------------------- the worker's side
@@ -275,6 +284,9 @@ def serve(start_env: dict[str, str], peer: bool) -> None:
         for key in set(os.environ) - set(start_env):
             del os.environ[key]
         os.environ.update(start_env)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes its workers
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # print() and C libraries write to stderr: stdout carries only replies
     requests = sys.stdin.buffer
@@ -296,7 +308,7 @@ def serve(start_env: dict[str, str], peer: bool) -> None:
         except BaseException as exc:  # every failure goes back to the parent as one line
             import traceback
 
-            reply = ("error", one_line(exc), traceback.format_exc())
+            reply = ("error", one_line(exc, {}), traceback.format_exc())  # fields named by the parent
         pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
         replies.flush()
     system = state.get("system")
@@ -325,6 +337,8 @@ def _handle(state: dict[str, Any], command: str, args: list[Any]) -> Any:
         return process_info(system, name, state["omp"])
     if command == "environ":
         return dict(os.environ)
+    if command == "imported":
+        return args[0] in sys.modules
     if command == "info":
         return process_info(state.get("system"), state.get("name", ""), state["omp"])
     system = state["system"]
