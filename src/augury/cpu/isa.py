@@ -44,6 +44,7 @@ FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+@functools.cache
 def _cpuinfo_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
