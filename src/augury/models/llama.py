@@ -6,6 +6,10 @@ and, in the same pass, the raw outputs of chosen layers that EAGLE-3 conditions 
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +21,100 @@ from augury.attention.base import PagedAttention
 from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed, silu_mul
 
 
+class Collectives(Protocol):
+    """What a tensor-parallel shard of the target asks of its process group (augury.distributed
+    implements it; the builder passes one in, models/ never imports it)."""
+
+    rank: int
+    size: int
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a float32 tensor over the ranks in place (every rank gets the same bits); returns it."""
+        ...
+
+    def gather_vocab(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Each rank's logits [..., sizes[rank]] -> the whole vocabulary [..., sum(sizes)], in rank
+        order, on rank 0 (None where a rank does not need them)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of the target under tensor parallelism: query heads [heads), the KV heads they
+    read [kv_heads), MLP columns [inter) and vocabulary rows [vocab), each a half-open range."""
+
+    rank: int
+    size: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    inter: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_sizes: tuple[int, ...]  # every rank's vocabulary rows, in rank order
+
+    def local_config(self, cfg: TargetConfig) -> TargetConfig:
+        """The shapes this rank's modules have (hidden size, layers and the rest unchanged)."""
+        span = lambda r: r[1] - r[0]  # noqa: E731
+        return dataclasses.replace(cfg, num_heads=span(self.heads), num_kv_heads=span(self.kv_heads),
+                                   intermediate_size=span(self.inter), vocab_size=span(self.vocab))
+
+
+def _split(n: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """[0, n) in `parts` contiguous ranges as even as whole units of `align` allow (align must divide n)."""
+    units = n // align
+    bounds = [r * units // parts * align for r in range(parts)] + [n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def plan_shards(cfg: TargetConfig, size: int) -> list[Shard]:
+    """Split the target among `size` ranks: attention by KV-head groups (each rank takes whole groups,
+    as evenly as they go: the demo's 3 KV heads on 2 ranks are 2 + 1; when ranks outnumber the KV heads,
+    each KV head is replicated on size / kv ranks that split its query heads), the MLP's columns and
+    the vocabulary in even ranges (whole groups of 32, and of 64 rows, where the sizes allow).
+    A ValueError names the numbers that cannot be split."""
+    nh, nkv, inter, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    group = nh // nkv  # query heads per KV head
+    if size <= nkv:
+        kv = _split(nkv, size, 1)
+        heads = [(a * group, b * group) for a, b in kv]
+    else:
+        rep = size // nkv
+        if size % nkv or group % rep:
+            raise ValueError(
+                f"tensor_parallel_size {size} exceeds the model's {nkv} KV heads: it must then be a multiple of "
+                f"them ({nkv}, {2 * nkv}, ...) whose share of each KV head's {group} query heads is whole "
+                f"({nh} query heads); choose at most {nkv} or such a multiple")
+        per = group // rep
+        kv = [(r // rep, r // rep + 1) for r in range(size)]
+        heads = [((r // rep) * group + (r % rep) * per, (r // rep) * group + (r % rep + 1) * per) for r in range(size)]
+    align = 32 if inter % 32 == 0 else 1  # whole int4 groups of the row-parallel down_proj
+    if inter < size:
+        raise ValueError(f"intermediate_size {inter} cannot be split among {size} tensor-parallel ranks")
+    mlp = _split(inter, size, align)
+    valign = next((a for a in (64, 16, 1) if vocab % (a * size) == 0 or a == 1), 1)
+    if vocab < size:
+        raise ValueError(f"vocab_size {vocab} cannot be split among {size} tensor-parallel ranks")
+    vocab_parts = _split(vocab, size, valign)
+    sizes = tuple(b - a for a, b in vocab_parts)
+    return [Shard(r, size, heads[r], kv[r], mlp[r], vocab_parts[r], sizes) for r in range(size)]
+
+
+class VocabShardEmbedding(nn.Embedding):
+    """This rank's rows [start, start + num_embeddings) of the embedding: a token outside them looks up
+    zeros, so the sum over ranks (TargetModel.forward) is the full lookup, exactly."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        out = super().forward(torch.where(inside, local, torch.zeros_like(local)))
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+
 class Norm(Watched, RMSNorm):
     """The target's RMSNorm, watched for the fused table (models/fused.py)."""
 
@@ -26,11 +124,13 @@ class LayerList(Watched, nn.ModuleList):
 
 
 class Attention(Watched, nn.Module):
-    def __init__(self, cfg: TargetConfig) -> None:
+    def __init__(self, cfg: TargetConfig, sharded: bool = False) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # row-parallel under tensor parallelism: o_proj's bias is added once, after the sum over ranks
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_proj_bias and not sharded)
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_proj_bias and sharded else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = Norm(self.hd, cfg.rms_norm_eps)
@@ -49,28 +149,43 @@ class Attention(Watched, nn.Module):
 
 
 class MLP(Watched, nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool = False, sharded: bool = False) -> None:
         super().__init__()
         self.inter = inter
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        # row-parallel under tensor parallelism: the bias is added once, after the sum over ranks
+        self.down_proj = nn.Linear(inter, hidden, bias=bias and not sharded)
+        self.down_bias = nn.Parameter(torch.zeros(hidden)) if bias and sharded else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(Watched, nn.Module):
-    def __init__(self, cfg: TargetConfig) -> None:
+    def __init__(self, cfg: TargetConfig, tp: Collectives | None = None) -> None:
         super().__init__()
+        self.tp = tp  # tensor parallelism: this rank's heads and MLP columns, summed over ranks
         self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, sharded=tp is not None)
         self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, sharded=tp is not None)
 
     def forward(self, h, cos, sin, attn: PagedAttention, layer: int):
         # h is the float32 residual stream; the norms hand the projections the weights' dtype
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
+        if self.tp is not None:
+            a = self._summed(a, self.self_attn.o_bias)
+        h = h + a
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.tp is not None:
+            m = self._summed(m, self.mlp.down_bias)
+        return h + m
+
+    def _summed(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel projection's partial output [..., H] summed over the ranks in float32, then
+        rounded to its dtype and given the bias once, as one projection's output would be."""
+        s = self.tp.all_reduce_(y.float().contiguous()).to(y.dtype)
+        return s if bias is None else s + bias
 
 
 class TargetModel(Watched, nn.Module):
@@ -79,12 +194,19 @@ class TargetModel(Watched, nn.Module):
     Its layers, norms and kernel linears are `fused.Watched`: moving, converting or swapping any of
     them after a forward makes the fused table (`_fused`) stale, and the next forward builds it again."""
 
-    def __init__(self, cfg: TargetConfig, max_len: int) -> None:
+    def __init__(self, cfg: TargetConfig, max_len: int, shard: Shard | None = None,
+                 tp: Collectives | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        if (shard is None) != (tp is None):
+            raise ValueError("a tensor-parallel shard needs its process group, and a group its shard")
+        self.full_cfg = cfg  # the whole model's shapes
+        self.shard, self.tp = shard, tp  # tensor parallelism: this rank's part, and its group
+        cfg = shard.local_config(cfg) if shard is not None else cfg
+        self.cfg = cfg  # this process's shapes (the whole model's without tensor parallelism)
         self.quantization = "none"  # the linears' mode once loaded: "none", "int8" or "int4" (models/quant.py)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = LayerList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = (VocabShardEmbedding(cfg.vocab_size, cfg.hidden_size, shard.vocab[0]) if shard
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = LayerList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_len)
@@ -112,6 +234,8 @@ class TargetModel(Watched, nn.Module):
         # unrounded (bfloat16 demo, 8 chat answers: mean |logit error| against float32 0.064,
         # 0.105 with a bfloat16 stream, transformers' 0.110). Elementwise, so rows stay independent.
         h = h.float()
+        if self.tp is not None:  # each rank looked up its own vocabulary rows (zeros elsewhere): exact
+            h = self.tp.all_reduce_(h.contiguous())
         if self._fused is not False:  # the whole stack in one C++ call where model and step allow
             if self._fused is None or self._fused.epoch != fused.epoch():  # none yet, or stale
                 self._fused = FusedStack.build(self) or False
@@ -126,11 +250,16 @@ class TargetModel(Watched, nn.Module):
         aux_out = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.norm(h), aux_out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> float32 logits [..., V]."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., H] -> float32 logits [..., V]. Under tensor parallelism each rank computes its
+        vocabulary rows and rank 0 gets the whole (`Collectives.gather_vocab`; None on the others)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            out = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            out = self.lm_head(hidden).float()
+        if self.tp is not None:
+            return self.tp.gather_vocab(out.contiguous(), list(self.shard.vocab_sizes))
+        return out
 
     def prepare_for_inference(self) -> None:
         """Pick the fastest weight layout for this device and dtype (after loading)."""

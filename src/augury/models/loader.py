@@ -15,7 +15,7 @@ from augury.models.config import TargetConfig
 from augury.models.dense import (bf16_panel_linears, fbgemm_half_available, pack_half_linears, packed_output_layer,
                                  row_padding)
 from augury.models.layers import Rotary
-from augury.models.llama import TargetModel
+from augury.models.llama import Collectives, Shard, TargetModel
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
 # Tensors some checkpoints carry that no forward needs.
@@ -104,6 +104,8 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
         out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
         if attn.o_proj.bias is not None:
             out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+        elif attn.o_bias is not None:  # a row-parallel shard: the bias is added after the sum over ranks
+            out[p + "self_attn.o_proj.bias"] = attn.o_bias
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
             out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
@@ -115,8 +117,99 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
         if mlp.gate_up_proj.bias is not None:
             out[p + "mlp.gate_proj.bias"] = mlp.gate_up_proj.bias[:inter]
             out[p + "mlp.up_proj.bias"] = mlp.gate_up_proj.bias[inter:]
-            out[p + "mlp.down_proj.bias"] = mlp.down_proj.bias
+            out[p + "mlp.down_proj.bias"] = mlp.down_proj.bias if mlp.down_bias is None else mlp.down_bias
     return out
+
+
+# A checkpoint tensor's part on one tensor-parallel rank: (dimension, start, stop, full length) of the
+# tensor in the checkpoint; None: the whole tensor (norms, and row-parallel biases added once).
+Part = tuple[int, int, int, int] | None
+
+
+def shard_part(name: str, cfg: TargetConfig, shard: Shard) -> Part:
+    """Which part of HF tensor `name` rank `shard.rank` holds: q/k/v and gate/up by rows (its heads and
+    MLP columns), o/down by columns, the embedding and the output layer by vocabulary rows."""
+    hd = cfg.head_dim
+    (h0, h1), (k0, k1), (i0, i1), (v0, v1) = shard.heads, shard.kv_heads, shard.inter, shard.vocab
+    leaf = name.rsplit(".", 1)[-1]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (0, v0, v1, cfg.vocab_size)
+    if name.endswith("self_attn.q_proj." + leaf):
+        return (0, h0 * hd, h1 * hd, cfg.num_heads * hd)
+    if name.endswith(("self_attn.k_proj." + leaf, "self_attn.v_proj." + leaf)):
+        return (0, k0 * hd, k1 * hd, cfg.num_kv_heads * hd)
+    if name.endswith("self_attn.o_proj.weight"):
+        return (1, h0 * hd, h1 * hd, cfg.num_heads * hd)
+    if name.endswith(("mlp.gate_proj." + leaf, "mlp.up_proj." + leaf)):
+        return (0, i0, i1, cfg.intermediate_size)
+    if name.endswith("mlp.down_proj.weight"):
+        return (1, i0, i1, cfg.intermediate_size)
+    return None
+
+
+def _read_part(f, name: str, part: Part, per: int = 1) -> torch.Tensor:
+    """Only `part` of tensor `name` from an open safetensors file (`per` checkpoint values per stored
+    column: 2 for int4 codes packed two to a byte, 32 for per-group scales)."""
+    sl = f.get_slice(name)
+    if part is None:
+        return sl[:]
+    dim, a, b, _ = part
+    return sl[a:b] if dim == 0 else sl[:, a // per : b // per]
+
+
+def copy_sharded(targets: dict[str, torch.Tensor], folder: Path, cfg: TargetConfig, shard: Shard, where: str,
+                 optional: tuple[str, ...] = ()) -> None:
+    """copy_strict for one tensor-parallel rank: every name checked against the checkpoint's full
+    shapes (missing, unexpected and mis-shaped tensors are errors naming them), and only this rank's
+    part of each read from the files (safetensors slices: no full copy per rank)."""
+    located: dict[str, Path] = {}
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            located.update((name, file) for name in f.keys())
+    missing = sorted(set(targets) - set(located))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: missing tensor {missing[0]}{more}")
+    unexpected = sorted(n for n in set(located) - set(targets)
+                        if n not in optional and not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]}{more}")
+    by_file: dict[Path, list[str]] = {}
+    for name in targets:
+        by_file.setdefault(located[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                dest, part = targets[name], shard_part(name, cfg, shard)
+                full = list(dest.shape)
+                if part is not None:
+                    full[part[0]] = part[3]
+                shape = list(f.get_slice(name).get_shape())
+                if shape != full:
+                    raise ValueError(f"{where}: tensor {name} has shape {shape}, expected {full}")
+                with torch.no_grad():
+                    dest.copy_(_read_part(f, name, part).to(dest.dtype))
+
+
+def load_embedding(folder: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
+    """The target's whole embedding alone (for a replicated EAGLE-3 head beside a vocabulary-parallel
+    target, which holds only its own rows)."""
+    folder = Path(folder)
+    cfg = TargetConfig.from_folder(folder)
+    name = "model.embed_tokens.weight"
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                weight = f.get_tensor(name)
+                if list(weight.shape) != [cfg.vocab_size, cfg.hidden_size]:
+                    raise ValueError(f"target checkpoint {folder}: tensor {name} has shape {list(weight.shape)}, "
+                                     f"expected {[cfg.vocab_size, cfg.hidden_size]}")
+                embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+                with torch.no_grad():
+                    embed.weight.copy_(weight.to(dtype))
+                return embed.requires_grad_(False)
+    raise ValueError(f"target checkpoint {folder}: missing tensor {name}")
 
 
 def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
@@ -147,16 +240,22 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                          f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
     int4_names, sources = set(index.get("int4", [])), index.get("source_types", {})
     device = model.embed_tokens.weight.device
+    shard = model.shard
+    # a tensor-parallel rank reads its part of each source tensor (whole groups of 32 along the input)
+    parts = {n: shard_part(n, model.full_cfg, shard) for names in fused_linears(model).values() for n in names} \
+        if shard is not None else {}
     count = 0
     with safe_open(str(folder / INT4_FILE), framework="pt") as f:
         for path, names in fused_linears(model).items():
             # tied and not yet given its own copy: the output layer reads the embedding
             dense = model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
             new: torch.nn.Module | None = None
-            if all(n in int4_names for n in names):
-                codes = torch.cat([quant.unpack_codes(f.get_tensor(n + ".codes")) for n in names])
-                scale = torch.cat([f.get_tensor(n + ".scale") for n in names])
-                zero = torch.cat([f.get_tensor(n + ".zero") for n in names])
+            whole_groups = all(p is None or p[0] == 0 or (p[1] % quant.INT4_GROUP == 0 and p[2] % quant.INT4_GROUP == 0)
+                               for p in (parts.get(n) for n in names))
+            if all(n in int4_names for n in names) and whole_groups:
+                codes = torch.cat([quant.unpack_codes(_read_part(f, n + ".codes", parts.get(n), 2)) for n in names])
+                scale = torch.cat([_read_part(f, n + ".scale", parts.get(n), quant.INT4_GROUP) for n in names])
+                zero = torch.cat([_read_part(f, n + ".zero", parts.get(n), quant.INT4_GROUP) for n in names])
                 if tuple(codes.shape) != tuple(dense.weight.shape):
                     raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(codes.shape)}, "
                                      f"expected {list(dense.weight.shape)}")
@@ -200,9 +299,14 @@ def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype,
 
 
 def load_target(
-    folder: str | Path, dtype: torch.dtype, device: torch.device, max_len: int, quantization: str = "none"
+    folder: str | Path, dtype: torch.dtype, device: torch.device, max_len: int, quantization: str = "none",
+    shard: Shard | None = None, tp: Collectives | None = None,
 ) -> tuple[TargetModel, TargetConfig]:
     """Build the target from a checkpoint folder; raises ValueError naming any mismatch.
+
+    shard / tp: one tensor-parallel rank's part (llama.plan_shards) and its process group: the model
+    holds only that part, read from the files as slices, and its forward sums over the group. The
+    returned config is the whole model's either way.
 
     quantization: "none" (dense), "int8" / "int4" (quantise the dense weights, models/quant.py; int4 takes a
     GGUF conversion's native int4 weights when the folder has them), or "auto" (those native weights in
@@ -213,14 +317,16 @@ def load_target(
         raise ValueError(f"model path {folder} does not exist or is not a folder")
     cfg = TargetConfig.from_folder(folder)
     mode = resolve_quantization(folder, quantization, dtype, device)  # before the weights: fails fast
-    tensors = read_tensors(folder)
     with torch.device("meta"):
-        model = TargetModel(cfg, max_len=1)
+        model = TargetModel(cfg, max_len=1, shard=shard, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(cfg.rope, cfg.head_dim, max_len).to(device)
     # A tied model may still carry lm_head.weight (a copy of the embedding); it is unused.
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    copy_strict(target_weight_map(model), tensors, f"target checkpoint {folder}", optional)
+    if shard is None:
+        copy_strict(target_weight_map(model), read_tensors(folder), f"target checkpoint {folder}", optional)
+    else:
+        copy_sharded(target_weight_map(model), folder, cfg, shard, f"target checkpoint {folder}", optional)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     if mode == "gguf-int4":
