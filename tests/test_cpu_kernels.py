@@ -120,17 +120,23 @@ def test_w8a8_matches_its_reference_and_is_row_count_invariant() -> None:
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 288, generator=g) * 0.1
     w[5, :G] = 0.0  # an all-zero weight group
-    codes, scale = k8.pack(w)
-    assert codes.dtype == torch.int8 and codes.abs().max() <= 127 and scale.shape == (40, 16)
-    deq = codes.double().view(40, 9, G) * scale[:, :9, None].double()
-    assert ((deq.view(40, 288) - w.double()).abs() <= scale[:, :9].double().repeat_interleave(G, 1) / 2 + 1e-9).all()
+    codes, scale = k8.pack(w)  # 3 panels of 16 columns, the last one 8 short
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127 and codes.shape == (3, 9, 512)
+    assert scale.shape == (3, 9, 16) and scale[2, :, 8:].eq(0).all()
+    deq = k8.unpack(codes, scale, 40).double()
+    step = scale.transpose(1, 2).reshape(48, 9)[:40].double().repeat_interleave(G, 1)
+    assert ((deq - w.double()).abs() <= step / 2 + 1e-9).all()
     x = torch.randn(13, 288, generator=g).to(torch.bfloat16)
-    got = k8.linear(x, codes, scale)
+    got = k8.linear(x, codes, scale, 40)
+    assert torch.equal(k8.linear(x, codes, scale)[:, :40], got)
+    for bad in (32, 49):
+        with pytest.raises(ValueError, match="columns"):
+            k8.linear(x, codes, scale, bad)
     xf = x.float().view(13, 9, G)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a true division
     xt = (torch.round(xf * inv) * (amax / 127.0)).view(13, 288)
-    ref = xt.double() @ deq.view(40, 288).t()
+    ref = xt.double() @ deq.t()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     threads = torch.get_num_threads()
@@ -138,7 +144,7 @@ def test_w8a8_matches_its_reference_and_is_row_count_invariant() -> None:
         for n in (1, 2):
             torch.set_num_threads(n)
             for r in (0, 6, 12):
-                assert torch.equal(k8.linear(x[r : r + 1], codes, scale), got[r : r + 1])
+                assert torch.equal(k8.linear(x[r : r + 1], codes, scale, 40), got[r : r + 1])
     finally:
         torch.set_num_threads(threads)
 
@@ -157,18 +163,19 @@ def test_w4a8_rejects_bad_inputs(kernel) -> None:
 
 @needs_kernel
 def test_w4a8_rejects_bad_weights(kernel) -> None:
-    """Scale and zero bfloat16 [N, Gp] (Gp = K / 32 padded to a multiple of 8), codes uint8
-    [N, K / 32, 16], all contiguous: anything else is a ValueError naming the tensor, not a read out
-    of bounds or garbage."""
-    codes, scale, zero = _parts(16, 64)
-    c, s, z = kernel.pack(codes, scale, zero)  # G = 2, Gp = 8
+    """Panels of 16 columns: codes uint8 [N / 16, G, 256], scale and zero bfloat16 [N / 16, G, 16],
+    all contiguous: anything else is a ValueError naming the tensor, not a read out of bounds or
+    garbage."""
+    codes, scale, zero = _parts(32, 64)
+    c, s, z = kernel.pack(codes, scale, zero)  # 2 panels, G = 2
+    assert c.shape == (2, 2, 256) and s.shape == z.shape == (2, 2, 16)
     x = torch.randn(2, 64)
     kernel.linear(x, c, s, z)
     bad = {
-        "scale": [s.float(), s[:, :2].contiguous(), s[:, :4].contiguous(), s[:8], torch.cat([s, s], 1)[:, ::2],
-                  torch.zeros(16, 16, dtype=torch.bfloat16)],
-        "zero": [z.half(), z[:, :2].contiguous(), z[:15], torch.cat([z, z], 1)[:, ::2]],
-        "codes": [c.to(torch.int8), c.to(torch.int32), c[:, :, :8].contiguous(), c.view(16, 32),
+        "scale": [s.float(), s[:, :1].contiguous(), s[..., :8].contiguous(), s[:1], torch.cat([s, s], 2)[..., ::2],
+                  s.reshape(2, 32), torch.zeros(2, 2, 32, dtype=torch.bfloat16)],
+        "zero": [z.half(), z[:, :1].contiguous(), z[:1], torch.cat([z, z], 2)[..., ::2]],
+        "codes": [c.to(torch.int8), c.to(torch.int32), c[:, :, :128].contiguous(), c.view(4, 256),
                   torch.cat([c, c], 2)[:, :, ::2]],
     }
     for what, tensors in bad.items():
@@ -184,10 +191,11 @@ def test_w8a8_rejects_bad_weights() -> None:
     codes, scale = k8.pack(torch.randn(16, 64))
     x = torch.randn(2, 64)
     k8.linear(x, codes, scale)
-    for what, c, s in (("codes", codes.to(torch.int32), scale), ("codes", codes[:, ::2], scale),
-                       ("codes", torch.cat([codes, codes], 1)[:, ::2], scale),
-                       ("scale", codes, scale.to(torch.bfloat16)), ("scale", codes, scale[:, :2].contiguous()),
-                       ("scale", codes, scale[:8]), ("scale", codes, torch.cat([scale, scale], 1)[:, ::2])):
+    for what, c, s in (("codes", codes.to(torch.int32), scale), ("codes", codes[:, :, ::2], scale),
+                       ("codes", torch.cat([codes, codes], 2)[:, :, ::2], scale), ("codes", codes.view(2, 512), scale),
+                       ("scale", codes, scale.to(torch.bfloat16)), ("scale", codes, scale[:, :1].contiguous()),
+                       ("scale", codes, scale[:, :, :8].contiguous()),
+                       ("scale", codes, torch.cat([scale, scale], 2)[..., ::2])):
         with pytest.raises(ValueError, match=what):
             k8.linear(x, c, s)
 
@@ -221,7 +229,7 @@ def test_a_nan_activation_gives_a_nan_row(kernel, where) -> None:
     NaN (the int8 rounding does not turn it into finite codes and a plausible token), the other rows
     bit for bit as without it, at 3 rows (rounded serially) and 20 (inside the parallel region)."""
     k8 = cpu_kernels.w8a8()
-    codes, scale, zero = _parts(24, 96, seed=5)
+    codes, scale, zero = _parts(32, 96, seed=5)
     p4 = kernel.pack(codes, scale, zero)
     p8 = k8.pack(int4_values(codes, scale.float(), zero.float()))
     for m in (3, 20):

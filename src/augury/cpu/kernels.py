@@ -45,7 +45,7 @@ from augury.cpu.build import KernelUnavailable, build
 log = logging.getLogger(__name__)
 
 GROUP = 32
-CHUNK = 8  # groups the kernel reduces together: per-group arrays are padded to a multiple of this
+PANEL = 16  # w4a8 and w8a8 pack their weights in panels of this many columns
 NAMES = ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward")
 
 _cache: dict[str, object] = {}
@@ -71,11 +71,6 @@ def _expect(kernel: str, what: str, t: torch.Tensor, dtypes: tuple[torch.dtype, 
     raise ValueError(f"{kernel}: {what} must be a contiguous CPU {want} tensor [{dims}], got {got}")
 
 
-def _padded_groups(k: int) -> int:
-    """Per-group arrays' width for in_features k: k / 32 groups padded to a multiple of CHUNK."""
-    return -(-(k // GROUP) // CHUNK) * CHUNK
-
-
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
     """lib's C function `name` with its argument and result types set."""
     fn = getattr(lib, name)
@@ -90,24 +85,38 @@ class W4A8:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         self._fn = _bind(self._lib, "augury_w4a8_linear",
-                         [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _I32, _I32], _I32)
+                         [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """codes [N, K] integers 0..15, scale / zero [N, K / 32] (bfloat16 values) -> the kernel's
-        (codes [N, K / 32, 16] uint8, scale [N, Gp] bfloat16, zero [N, Gp] bfloat16)."""
+        """codes [N, K] integers 0..15, scale / zero [N, K / 32] (bfloat16 values), N a multiple of 16
+        -> the kernel's panels of 16 columns (csrc/w4a8.h): codes [N / 16, G, 256] uint8, scale and
+        zero [N / 16, G, 16] bfloat16, G = K / 32."""
         n, k = codes.shape
-        if k % GROUP:
-            raise ValueError(f"w4a8 needs in_features % {GROUP} == 0, got {k}")
-        g = k // GROUP
-        gp = _padded_groups(k)
-        c = codes.to(torch.uint8).view(n, g, GROUP)
-        nib = (c[..., :16] | (c[..., 16:] << 4)).contiguous()
-        s = torch.zeros(n, gp, dtype=torch.bfloat16)
-        z = torch.zeros(n, gp, dtype=torch.bfloat16)
-        s[:, :g] = scale.to(torch.bfloat16)
-        z[:, :g] = zero.to(torch.bfloat16)
-        return nib, s, z
+        if k % GROUP or n % PANEL:
+            raise ValueError(f"w4a8 needs in_features % {GROUP} == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
+        g, p = k // GROUP, n // PANEL
+        # [panel, column, group, block, low/high nibble, j] -> [panel, group, block, column, j]
+        c = codes.to(torch.uint8).reshape(p, PANEL, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+        nib = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(p, g, 4 * PANEL * 4).contiguous()
+
+        def panels(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.bfloat16).reshape(p, PANEL, g).transpose(1, 2).contiguous()
+
+        return nib, panels(scale), panels(zero)
+
+    @staticmethod
+    def unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """pack()'s inverse: (codes [N, K] uint8 0..15, scale [N, G], zero [N, G] bfloat16)."""
+        p, g, _ = codes.shape
+        c = codes.reshape(p, g, 4, PANEL, 4)
+        c = torch.stack([c & 0x0F, c >> 4], dim=-2)  # [panel, group, block, column, low/high, j]
+        c = c.permute(0, 3, 1, 2, 4, 5).reshape(p * PANEL, g * GROUP)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(p * PANEL, g)
+
+        return c, rows(scale), rows(zero)
 
     def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -118,17 +127,17 @@ class W4A8:
                              f"{x.dtype} on {x.device}")
         x = x.contiguous()
         m, k = x.shape
-        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 16))
-        n, g, _ = codes.shape
+        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
+        p, g, _ = codes.shape
         if k != g * GROUP:
             raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
-        gp = _padded_groups(k)
-        _expect("w4a8", "scale", scale, (torch.bfloat16,), (n, gp))
-        _expect("w4a8", "zero", zero, (torch.bfloat16,), (n, gp))
+        _expect("w4a8", "scale", scale, (torch.bfloat16,), (p, g, PANEL))
+        _expect("w4a8", "zero", zero, (torch.bfloat16,), (p, g, PANEL))
         out_dtype = out_dtype or x.dtype
+        n = p * PANEL
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
-                      zero.data_ptr(), n, gp, y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+                      zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -140,38 +149,51 @@ class W8A8:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
-        self._fn = _bind(self._lib, "augury_w8a8_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _I64, _P, _I32], _I32)
+        self._fn = _bind(self._lib, "augury_w8a8_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _I32], _I32)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """weight [N, K] -> (int8 [N, K], float32 scales [N, Gp]): symmetric per group of 32, the
-        scale max |w| / 127 (GGUF's Q8_0 rule), codes -127..127; Gp = K / 32 padded to a multiple of 8."""
+        """weight [N, K] -> (codes int8 [P, G, 512], float32 scales [P, G, 16]): symmetric per group of
+        32, the scale max |w| / 127 (GGUF's Q8_0 rule), codes -127..127, in panels of 16 columns
+        (csrc/w8a8.cpp), P = ceil(N / 16), G = K / 32; the last panel's missing columns zero."""
         n, k = weight.shape
         if k % GROUP:
             raise ValueError(f"w8a8 needs in_features % {GROUP} == 0, got {k}")
-        g = k // GROUP
-        w = weight.detach().float().view(n, g, GROUP)
+        g, p = k // GROUP, -(-n // PANEL)
+        w = torch.zeros(p * PANEL, g, GROUP)
+        w[:n] = weight.detach().float().view(n, g, GROUP)
         scale = w.abs().amax(-1) / 127.0
         q = torch.round(w / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127).to(torch.int8)
-        s = torch.zeros(n, _padded_groups(k), dtype=torch.float32)
-        s[:, :g] = scale
-        return q.view(n, k).contiguous(), s
+        # [panel, column, group, block, j] -> [panel, group, block, column, j]
+        q = q.view(p, PANEL, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(p, g, 8 * PANEL * 4).contiguous()
+        return q, scale.view(p, PANEL, g).transpose(1, 2).contiguous()
 
-    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, N]; the weights are pack()'s output."""
+    @staticmethod
+    def unpack(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+        """The weights pack() stands for, float32 [n, K]: codes times their group's scale."""
+        p, g, _ = codes.shape
+        w = codes.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g, GROUP).float()
+        return (w * scale.transpose(1, 2).reshape(p * PANEL, g, 1)).reshape(p * PANEL, g * GROUP)[:n]
+
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, n]; the weights are pack()'s output,
+        n the weight's rows (default: every column the panels hold)."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
                              f"{x.dtype} on {x.device}")
         x = x.contiguous()
         m, k = x.shape
-        _expect("w8a8", "codes", codes, (torch.int8,), (None, None))
-        n = codes.shape[0]
-        if k != codes.shape[1]:
-            raise ValueError(f"w8a8: input has {k} features, the weights {codes.shape[1]}")
-        _expect("w8a8", "scale", scale, (torch.float32,), (n, _padded_groups(k)))
+        _expect("w8a8", "codes", codes, (torch.int8,), (None, None, 8 * PANEL * 4))
+        p, g, _ = codes.shape
+        if k != g * GROUP:
+            raise ValueError(f"w8a8: input has {k} features, the weights {g * GROUP}")
+        _expect("w8a8", "scale", scale, (torch.float32,), (p, g, PANEL))
+        n = p * PANEL if n is None else n
+        if not p * PANEL - PANEL < n <= p * PANEL:
+            raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
-                      scale.shape[1], y.data_ptr(), torch.get_num_threads())
+                      y.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y

@@ -230,8 +230,8 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/32, N, 2]
         elif backend == "w4a8":
             nib, s, z = cpu_kernels.W4A8.pack(codes, scale, zero)
-            self.register_buffer("w4a8_codes", nib)  # [N, K/32, 16] uint8
-            self.register_buffer("w4a8_scale", s)  # [N, Gp] bfloat16, zero-padded
+            self.register_buffer("w4a8_codes", nib)  # [N/16, K/32, 256] uint8: panels of 16 columns
+            self.register_buffer("w4a8_scale", s)  # [N/16, K/32, 16] bfloat16
             self.register_buffer("w4a8_zero", z)
         else:
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2))
@@ -260,10 +260,8 @@ class Int4Linear(_QuantLinear):
         if self.backend != "w4a8":
             return super().dequantize()
         # the weight values themselves (the kernel also rounds the activations, which no weight shows)
-        nib = self.w4a8_codes
-        codes = torch.cat([nib & 0x0F, nib >> 4], dim=-1).view(self.out_features, self.in_features)
-        g = self.in_features // INT4_GROUP
-        return int4_values(codes, self.w4a8_scale[:, :g].float(), self.w4a8_zero[:, :g].float()).to(self.dtype)
+        codes, scale, zero = cpu_kernels.W4A8.unpack(self.w4a8_codes, self.w4a8_scale, self.w4a8_zero)
+        return int4_values(codes, scale.float(), zero.float()).to(self.dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "w4a8":
@@ -301,23 +299,21 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         codes, scale = kernel.pack(weight)
-        self.register_buffer("codes", codes)  # [N, K] int8
-        self.register_buffer("scale", scale)  # [N, Gp] float32
+        self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 512] int8: panels of 16 columns
+        self.register_buffer("scale", scale)  # [ceil(N / 16), K / 32, 16] float32
         self.bias = None
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised [out, in] weight, float32 (computed on each call)."""
-        g = self.in_features // INT4_GROUP
-        w = self.codes.float().view(self.out_features, g, INT4_GROUP) * self.scale[:, :g, None]
-        return w.view(self.out_features, self.in_features)
+        return cpu_kernels.W8A8.unpack(self.codes, self.scale, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = cpu_kernels.w8a8()
         if kernel is None:
             raise RuntimeError("this output layer was packed for augury's w8a8 kernel, which is unavailable now")
         shape = x.shape
-        y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale)
+        y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale, self.out_features)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

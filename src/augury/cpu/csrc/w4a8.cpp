@@ -1,19 +1,20 @@
 // augury's CPU kernel for int4 weights (groups of 32 along K, a scale and a zero per group) against
-// activations rounded per row to int8 in the same groups (AVX2 + FMA; built at first use by
-// models/cpu_kernels.py, which falls back to torch's int4 kernel when it cannot build or load it).
+// activations rounded per row to int8 in the same groups (one variant per x86-64 level, cpu/isa.py;
+// built at first use by cpu/build.py; quant.Int4Linear falls back to torch's int4 kernel without it).
 //
 //   y[m, n] = sum_g dx[m, g] s[n, g] sum_j (q[n, g, j] - 8) xq[m, g, j] + z[n, g] dx[m, g] sum_j xq[m, g, j]
 //
 // = sum_k x~[m, k] w[n, k] with w = (q - 8) s + z (torch's int4 convention, q in 0..15) and
 // x~ = dx xq: the activation rounded to 8 bits per group of 32 (dx = max |x| / 127, xq = round(x / dx)).
 //
-// Every y[m, n] is summed in one fixed order whatever the number of rows, their neighbours and the
-// threads (threads split the columns; rows share only the unpacked weights), so a row comes out bit
-// for bit the same alone or among others: verification and plain decoding see the same numbers.
+// Every y[m, n] is summed in one fixed order whatever the number of rows, their neighbours, the
+// threads and the ISA level (threads split the columns; rows share only the weight loads; a vector
+// lane is a column, so 8- and 16-lane variants do each column's operations in the same order), so a
+// row comes out bit for bit the same alone or among others: verification and plain decoding, and
+// every ISA variant, see the same numbers.
 //
-// Weights: codes [N, G, 16] uint8, G = K / 32 (byte j of group g: low nibble = code of k = 32 g + j,
-// high nibble = code of k = 32 g + 16 + j); s and z [N, Gp] bfloat16, Gp = G rounded up to a
-// multiple of 8, the padding zero (so the tail of the last chunk of 8 groups adds exactly nothing).
+// Weights (w4a8.h): codes [N / 16, G, 256] uint8 in panels of 16 columns, G = K / 32; s and z
+// [N / 16, G, 16] bfloat16. N is a multiple of 16.
 #include <cstdint>
 #include <cstdlib>
 
@@ -24,11 +25,9 @@ using namespace augury::w4a8;
 // y [M, N] = x [M, K] w^T; x and y bfloat16 (flag 1) or float32 (0) (a bias is the caller's:
 // quant.Int4Linear adds its own). Returns 0, or 1 for bad shapes, 2 when out of memory.
 extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
-                                  const uint16_t *s, const uint16_t *z, int64_t N, int64_t Gp, void *y, int y_bf16,
-                                  int nthreads) {
-    const int64_t G = K / GROUP;
-    if (K % GROUP || M < 0 || N < 0 || Gp % CHUNK || Gp < G || Gp >= G + CHUNK) return 1;
-    OwnedRounded a(M, K, Gp);
+                                  const uint16_t *s, const uint16_t *z, int64_t N, void *y, int y_bf16, int nthreads) {
+    if (K % GROUP || M < 0 || N < 0 || N % PANEL) return 1;
+    OwnedRounded a(M, K, K / GROUP);
     if (!a.ok()) return 2;
     auto store = [&](int64_t m, int64_t n, float v) {
         if (y_bf16)

@@ -13,7 +13,7 @@ namespace w4a8 {
 
 
 constexpr int GROUP = 32;
-constexpr int CHUNK = 8;      // groups reduced together (one float lane each)
+constexpr int CHUNK = 8;      // per-group activation arrays are padded to a multiple of this
 constexpr int ROW_TILE = 64;  // rows whose int8 activations stay in cache while the columns stream
 
 inline __m256 load_bf16x8(const uint16_t *p) { return load8(p, true, 0); }
@@ -68,77 +68,115 @@ inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t
     }
 }
 
-// 8 groups' int32 dot products, 8 lanes each -> one lane per group (lane j = group j)
-inline __m256i reduce8(const __m256i p[8]) {
-    __m256i h01 = _mm256_hadd_epi32(p[0], p[1]);
-    __m256i h23 = _mm256_hadd_epi32(p[2], p[3]);
-    __m256i h45 = _mm256_hadd_epi32(p[4], p[5]);
-    __m256i h67 = _mm256_hadd_epi32(p[6], p[7]);
-    __m256i h0123 = _mm256_hadd_epi32(h01, h23);  // low half: groups 0-3 over k 0-15 of each; high: k 16-31
-    __m256i h4567 = _mm256_hadd_epi32(h45, h67);
-    __m256i lo = _mm256_permute2x128_si256(h0123, h4567, 0x20);
-    __m256i hi = _mm256_permute2x128_si256(h0123, h4567, 0x31);
-    return _mm256_add_epi32(lo, hi);
+// Weights in panels of PANEL = 16 columns: per panel p and group g, 256 bytes of codes, four blocks
+// of 64 (b = 0..3); byte 4 c + j of block b holds column c's code of k = 32 g + 8 b + j in its low
+// nibble and of k = 32 g + 8 b + 4 + j in its high nibble (c = 0..15, j = 0..3). So one 64-byte block,
+// masked or shifted, is 4 consecutive k of 16 columns, one int32 lane per column, and u8 x s8 dot
+// products against 4 activation bytes broadcast to every lane sum each column's products in its own
+// lane: no horizontal sums. Scales and zeros [P, G, 16] bfloat16: the panel's 16 columns per group.
+constexpr int PANEL = 16;
+constexpr int PANEL_BYTES = 256;  // codes per panel and group
+
+inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
 }
 
-// one chunk of 8 groups from group c (NJ of them with codes; the rest of the chunk is padding) against
-// R rows (rows r * K of xq, r * Gp of dx / xsum): acc[r] += per group dx s sum_j (q - 8) xq
-template <int R, int NJ>
-inline void chunk(const uint8_t *codes, __m256 sv, int64_t c, int64_t Gp, const int8_t *xq, const float *dx,
-                  const int32_t *xsum, int64_t K, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    alignas(32) uint8_t wb[CHUNK * GROUP];  // the chunk's codes unpacked, one byte each, shared by the rows
-    for (int j = 0; j < NJ; j++) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + (c + j) * 16));
-        _mm256_store_si256(reinterpret_cast<__m256i *>(wb + j * GROUP),
-                           _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4));
-    }
-    for (int r = 0; r < R; r++) {
-        const int8_t *xr = xq + r * K + c * GROUP;
-        __m256i p[CHUNK];
-        for (int j = 0; j < CHUNK; j++) {
-            if (j < NJ) {
-                const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(wb + j * GROUP));
-                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xr + j * GROUP));
-                p[j] = augury::dot_u8s8(w, x);  // |15 * 127 * 2| < 2^15
-            } else {
-                p[j] = _mm256_setzero_si256();
+// Each column's sum, the same float operations in the same order on every ISA (lanes are columns):
+//   acc = 0; for g: acc = fma(float(dot_g - 8 xsum_g), s_g * dx_g, acc); acc = fma(z_g, xs_g, acc)
+// with dot_g = sum_j q xq over the group, exact in int32.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int ROW_BLOCK = 8;  // rows sharing each weight load (32 zmm registers)
+
+inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))), 16));
+}
+
+// one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c]
+template <int R>
+inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
+                  const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *blk = pc + g * PANEL_BYTES;
+        __m512i ia[R];
+        for (int r = 0; r < R; r++) ia[r] = _mm512_setzero_si512();
+        for (int b = 0; b < 4; b++) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * b);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + r * K + g * GROUP + 8 * b;
+                ia[r] = dpbusd512(ia[r], lo, _mm512_set1_epi32(load_i32(xr)));
+                ia[r] = dpbusd512(ia[r], hi, _mm512_set1_epi32(load_i32(xr + 4)));
             }
         }
-        // sum_j (q - 8) xq exactly in integers, then one rounding to float
-        const __m256i xsum8 =
-            _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xsum + r * Gp + c)), 3);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8(p), xsum8));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_loadu_ps(dx + r * Gp + c), sv), acc[r]);
-    }
-}
-
-// column n against R rows; out[r] = y without bias. Groups past G (the tail of the last chunk) have
-// no codes; their s, z, dx, xs and xsum are zero, so they add exactly nothing.
-template <int R>
-inline void column(const uint8_t *codes, const uint16_t *s, const uint16_t *z, int64_t G, int64_t Gp,
-                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + CHUNK <= G; c += CHUNK) chunk<R, CHUNK>(codes, load_bf16x8(s + c), c, Gp, xq, dx, xsum, K, acc);
-    if (c < G) {
-        const __m256 sv = load_bf16x8(s + c);
-        switch (G - c) {
-#define AUGURY_TAIL(t) \
-    case t: chunk<R, t>(codes, sv, c, Gp, xq, dx, xsum, K, acc); break;
-            AUGURY_TAIL(1) AUGURY_TAIL(2) AUGURY_TAIL(3) AUGURY_TAIL(4) AUGURY_TAIL(5) AUGURY_TAIL(6) AUGURY_TAIL(7)
-#undef AUGURY_TAIL
+        const __m512 sv = load_bf16x16(ps + g * PANEL), zv = load_bf16x16(pz + g * PANEL);
+        for (int r = 0; r < R; r++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(ia[r], _mm512_set1_epi32(xsum[r * Gp + g] * 8)));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[r * Gp + g]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {  // + sum_g z dx sum_j xq
-        __m256 az = _mm256_setzero_ps();
-        for (int64_t g = 0; g < Gp; g += CHUNK)
-            az = _mm256_fmadd_ps(load_bf16x8(z + g), _mm256_loadu_ps(xs + r * Gp + g), az);
-        out[r] = hsum(_mm256_add_ps(acc[r], az));
-    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
+}
+#else
+constexpr int ROW_BLOCK = 4;  // rows sharing each weight load (16 ymm registers)
+
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));  // |2 * 15 * 127| < 2^15
+#endif
 }
 
+// one panel's 16 columns against R rows, as two halves of 8 (one ymm lane per column): out[r * 16 + c]
+template <int R>
+inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
+                  const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *blk = pc + g * PANEL_BYTES + 32 * h;
+            __m256i ia[R];
+            for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
+            for (int b = 0; b < 4; b++) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = xq + r * K + g * GROUP + 8 * b;
+                    ia[r] = dpbusd256(ia[r], lo, _mm256_set1_epi32(load_i32(xr)));
+                    ia[r] = dpbusd256(ia[r], hi, _mm256_set1_epi32(load_i32(xr + 4)));
+                }
+            }
+            const __m256 sv = load_bf16x8(ps + g * PANEL + 8 * h), zv = load_bf16x8(pz + g * PANEL + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const __m256 dot =
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[r], _mm256_set1_epi32(xsum[r * Gp + g] * 8)));
+                acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * Gp + g])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[r * Gp + g]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
+    }
+}
+#endif
 
 // One matrix's activations, rounded: per row xq [K] int8, dx / xs [Gp] float32, xsum [Gp] int32.
 struct Rounded {
@@ -179,30 +217,36 @@ inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a) {
                      a.xs + m * a.Gp, a.xsum + m * a.Gp);
 }
 
-// y[m, n] for every row and column; store(m, n, value) receives each in float32 (no bias added).
+// y[m, n] for every row and column (N a multiple of PANEL); store(m, n, value) receives each in
+// float32 (no bias added). Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
+// while its rows go by ROW_BLOCK at a time, ROW_TILE rows' activations staying in cache.
 template <class Store>
 inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *s, const uint16_t *z,
                     int64_t N, Store store) {
-    const int64_t K = a.K, Gp = a.Gp, G = K / GROUP;
+    const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *cn = codes + n * G * 16;
-            const uint16_t *sn = s + n * Gp, *zn = z + n * Gp;
-            for (int64_t m0 = t0; m0 < t1; m0 += 4) {
-                const int r = t1 - m0 < 4 ? static_cast<int>(t1 - m0) : 4;
-                float out[4];
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *pc = codes + p * G * PANEL_BYTES;
+            const uint16_t *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
+            for (int64_t m0 = t0; m0 < t1; m0 += ROW_BLOCK) {
+                const int r = t1 - m0 < ROW_BLOCK ? static_cast<int>(t1 - m0) : ROW_BLOCK;
+                float out[ROW_BLOCK * PANEL];
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp, *sr = a.xs + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp;
                 switch (r) {
-                    case 4: column<4>(cn, sn, zn, G, Gp, xr, dr, sr, ir, K, out); break;
-                    case 3: column<3>(cn, sn, zn, G, Gp, xr, dr, sr, ir, K, out); break;
-                    case 2: column<2>(cn, sn, zn, G, Gp, xr, dr, sr, ir, K, out); break;
-                    default: column<1>(cn, sn, zn, G, Gp, xr, dr, sr, ir, K, out); break;
+#define AUGURY_ROWS(n) \
+    case n: panel<n>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                    AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
+#endif
+                    AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+#undef AUGURY_ROWS
                 }
-                for (int i = 0; i < r; i++) store(m0 + i, n, out[i]);
+                for (int i = 0; i < r; i++)
+                    for (int c = 0; c < PANEL; c++) store(m0 + i, p * PANEL + c, out[i * PANEL + c]);
             }
         }
     }
