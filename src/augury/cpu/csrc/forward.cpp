@@ -112,7 +112,8 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
     aQ.K = NQ, aQ.Gp = padded_groups(NQ);
     aI.K = I, aI.Gp = padded_groups(I);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const bool split_attention = augury::attention_parallel(T, nh, nkv, W);
+    // the region's threads are awake already: split the (row, key-value head) tasks whenever there are two
+    const bool split_attention = T * nkv > 1;
     if (nthreads < 1) nthreads = 1;
 
 #pragma omp parallel num_threads(nthreads)
