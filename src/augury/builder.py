@@ -31,7 +31,7 @@ __all__ = ["STAGES", "StartupError", "build_engine", "run_warmup"]
 # only trees that fit (Engine.reserve), so this bounds the rope table and the KV sizing, not depth.
 DRAFT_SLACK = 64
 MIN_CONTEXT = 16  # a smaller context cannot hold even the warm-up request and a reply
-STAGES = ("configuration", "target", "draft head", "KV cache", "CUDA graphs", "warm-up")
+STAGES = ("configuration", "tensor parallel", "target", "draft head", "KV cache", "CUDA graphs", "warm-up")
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -62,6 +62,11 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         max_len = config.max_model_len or min(limits)
         if max_len > min(limits):
             raise ValueError(f"max_model_len {max_len} exceeds the model's context of {min(limits)} tokens")
+        topo = None
+        if config.tensor_parallel_size > 1 or _under_torchrun():  # ranks, cores, heads, vocabulary: they fit
+            from augury.distributed import launch
+
+            topo = launch.check(config, tcfg, device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     if device.type == "cpu":
@@ -82,8 +87,31 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         except StartupError as exc:
             log.warning("stage 'CPU kernels' failed (%s); torch's kernels run instead", exc.cause)
             cpu_kernels.disable_all()
+    ranks = None
+    if topo is not None:  # a rank other than 0 runs its rank inside this stage, then exits
+        with stage("tensor parallel", notify):
+            ranks = launch.Ranks.start(config, topo, folder, device, dtype, max_len + DRAFT_SLACK, config.quantization)
+    try:
+        return _build_rest(config, resolved, notify, warmup, started, folder, device, dtype, max_len, ranks)
+    except BaseException:
+        if ranks is not None:  # nothing of the other ranks outlives a failed start-up
+            ranks.close()
+        raise
+
+
+def _under_torchrun() -> bool:
+    from augury.distributed.topology import under_torchrun
+
+    return under_torchrun()
+
+
+def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: bool, started: float, folder: Path,
+                device: torch.device, dtype: torch.dtype, max_len: int, ranks) -> Engine:
     with stage("target", notify):
-        model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK, config.quantization)
+        model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK, config.quantization,
+                                  *((ranks.shard, ranks.group) if ranks is not None else ()))
+        if ranks is not None:
+            ranks.wait_loaded()
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
         from augury.speculative.worker import plan_speculation
@@ -91,7 +119,8 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         plan = plan_speculation(config, resolved, model, tcfg, dtype, device, max_len)
     with stage("KV cache", notify):
         bs = config.block_size
-        per_token = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, dtype)
+        local = model.cfg  # this rank's KV heads (all of them without tensor parallelism)
+        per_token = KVCache.bytes_per_token(tcfg.num_layers, local.num_kv_heads, tcfg.head_dim, dtype)
         if plan is not None:
             per_token += plan.kv_bytes_per_token()
         # every request may hold max_len tokens plus a draft tree past them (DRAFT_SLACK)
@@ -104,9 +133,11 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
         if max_len < MIN_CONTEXT:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) leaves a context of {max(max_len, 0)} "
                              f"tokens (under {MIN_CONTEXT}); raise num_kv_blocks or kv_cache_memory_gb")
-        kv = KVCache(tcfg.num_layers, num_blocks, bs, tcfg.num_kv_heads, tcfg.head_dim, dtype, device)
+        kv = KVCache(tcfg.num_layers, num_blocks, bs, local.num_kv_heads, tcfg.head_dim, dtype, device)
         speculator = plan.build(num_blocks, bs, config.max_num_seqs) if plan is not None else None
         attention = PagedBackend(kv.k, kv.v, bs)
+        if ranks is not None:  # every rank sizes its cache alike; the engine drives them all from here
+            model, kv, attention = ranks.attach(model, kv, attention, folder, num_blocks, bs)
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
                         max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator)
     try:

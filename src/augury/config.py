@@ -59,6 +59,13 @@ class EngineConfig:
     quantization: str = "auto"
     threads: int | None = None  # torch intra-op threads (None: the default, see engine/builder.py)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes earlier requests computed
+    # tensor parallelism (augury/distributed): ranks in all, machines, this machine's index, node 0's
+    # rendezvous host:port, and how long a rank may fall silent before every rank stops
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 30.0
 
     @staticmethod
     def create(**kwargs: Any) -> "EngineConfig":
@@ -90,8 +97,23 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "nnodes"):
             positive(name, allow_none=False)
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (the same number of ranks on every machine)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr: host:port of node 0, where the ranks meet")
+        addr = self.dist_init_addr
+        if addr is not None and (not isinstance(addr, str) or not addr.rpartition(":")[0]
+                                 or not addr.rpartition(":")[2].isdigit()):
+            raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
+                or not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         for name in ("max_model_len", "num_kv_blocks", "speculative_num_steps", "speculative_eagle_topk",
                      "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "threads"):
             positive(name)
@@ -160,6 +182,7 @@ class Option:
     env: str | None = None
     default_help: str | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # more flags for the same option (--tp)
 
     @property
     def default(self) -> Any:
@@ -231,6 +254,21 @@ OPTIONS: tuple[Option, ...] = (
            "document or conversation so far); --no-enable-prefix-caching computes every prompt whole"),
     Option("log_stats_interval", "--log-stats-interval", float,
            "seconds between engine statistics log lines (0: off)", metavar="S"),
+    Option("tensor_parallel_size", "--tensor-parallel-size", int,
+           "ranks (processes) the model is split across by tensor parallelism: on one machine augury starts "
+           "them itself, one per core group (or GPU); across machines see --nnodes; under torchrun, its "
+           "WORLD_SIZE", metavar="N", aliases=("--tp",)),
+    Option("nnodes", "--nnodes", int,
+           "machines the tensor-parallel ranks run on; run the same command on each, with --node-rank and "
+           "--dist-init-addr", metavar="N"),
+    Option("node_rank", "--node-rank", int, "this machine's index among --nnodes (0 serves, others compute)",
+           metavar="K"),
+    Option("dist_init_addr", "--dist-init-addr", str,
+           "host:port on machine 0 where the tensor-parallel ranks meet", default_help="a free local port",
+           metavar="HOST:PORT"),
+    Option("dist_timeout", "--dist-timeout", float,
+           "seconds a tensor-parallel rank may fall silent (dead or hung) before every rank stops",
+           env="AUGURY_DIST_TIMEOUT", metavar="S"),
 )
 OPTION: dict[str, Option] = {o.name: o for o in OPTIONS}
 # name of the environment variable -> config field it fills when the field is not given
@@ -248,7 +286,7 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = Non
     `choices`, `required`, `help` (what it does; the default is added to it)."""
     for opt in OPTIONS if names is None else [OPTION[n] for n in names]:
         extra = dict(overrides.get(opt.name, {}))
-        flags = extra.pop("flags", (opt.flag,))
+        flags = extra.pop("flags", (opt.flag, *opt.aliases))
         shown = dataclasses.replace(opt, help=extra.pop("help")) if "help" in extra else opt
         own = "default" in extra
         text = shown.help_text(extra["default"] if own else _UNSET, env=not own,

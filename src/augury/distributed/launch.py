@@ -1,0 +1,275 @@
+"""Starting, joining and stopping the tensor-parallel ranks (rank 0's side; worker.py is the others').
+
+Start-up (builder.py's stages): "configuration" checks the numbers (`check`: ranks against cores or
+GPUs, heads, vocabulary); "tensor parallel" (`Ranks.start`) runs the rendezvous store, starts this
+machine's other ranks as fresh processes (`python -m augury.distributed.worker`, pinned to their
+cores, killed with their parent), waits for every rank to join and forms the process group; the ranks
+load their shards while rank 0 loads its own ("target"), and `wait_loaded` collects their verdicts:
+a rank that failed names itself and its cause, and every local rank is stopped, so nothing is left
+running or listening. "KV cache" ends with `attach`: the cache size goes to every rank, and the engine
+gets rank 0's stand-ins (runner.py).
+
+Faults after start-up: the watchdog (watchdog.py) reports a dead or silent rank; rank 0 then kills
+its local ranks (so a collective waiting on them fails at once) and, where augury owns the process
+(`augury serve`, `generate`, `bench`: `exit_on_failure()`), prints one line naming the rank and
+exits; inside a Python program the next or current call raises a RuntimeError with that line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from augury.config import EngineConfig
+from augury.distributed import topology
+from augury.distributed.comm import Group
+from augury.distributed.topology import Topology
+from augury.distributed.watchdog import Watchdog, exit_description
+
+log = logging.getLogger("augury.distributed")
+
+SPEC_KEY = "augury/spec"
+HELLO = "augury/hello/{}"
+STATUS = "augury/status/{}"
+_exit_on_failure = False
+_active: "Ranks | None" = None  # this process's group (torch.distributed allows one default group)
+
+
+def exit_on_failure() -> None:
+    """This process belongs to augury (a CLI command): a failed rank ends it with one line."""
+    global _exit_on_failure
+    _exit_on_failure = True
+
+
+def status() -> dict:
+    """Tensor parallelism as /server_info and /metrics show it: ranks, backend, collective times."""
+    if _active is None or _active.group is None:
+        return {"size": 1, "backend": None}
+    return _active.group.stats()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every rank loads, as rank 0 decided it (published in the store: machines may differ)."""
+
+    dtype: str
+    max_len: int
+    quantization: str
+    device_type: str
+    timeout: float
+
+
+def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
+    """The configuration stage's checks: the ranks fit this machine and the model splits among them
+    (ValueError naming the numbers)."""
+    from augury.models.llama import plan_shards
+
+    cuda = torch.cuda.device_count() if device.type == "cuda" else 0
+    topo = topology.plan(config, device.type, cuda)
+    plan_shards(tcfg, topo.size)
+    if topo.rank == 0 and torch.distributed.is_initialized():
+        raise ValueError("this process already belongs to a torch.distributed group (one tensor-parallel "
+                         "engine per process); close the other LLM first")
+    return topo
+
+
+def _start_timeout(spec_timeout: float, nnodes: int) -> float:
+    """How long to wait for ranks to join and load: another machine's command may be started by hand."""
+    return max(600.0 if nnodes > 1 else 300.0, spec_timeout)
+
+
+class Ranks:
+    """Rank 0's handle on the tensor-parallel ranks: the store, its local workers, the group."""
+
+    def __init__(self, topo: Topology, store, spec: ModelSpec, children: dict[int, subprocess.Popen]) -> None:
+        self.topo, self.store, self.spec, self.children = topo, store, spec, children
+        self.group: Group | None = None
+        self.watchdog: Watchdog | None = None
+        self.shard = None
+        self.serving = False  # after start-up a failed rank may end the process (exit_on_failure)
+        self.closed = False
+        self._threads = torch.get_num_threads()
+        self._affinity = topology.available_cores()
+
+    # ------------------------------------------------------------------ start-up
+    @staticmethod
+    def start(config: EngineConfig, topo: Topology, folder: Path, device: torch.device, dtype: torch.dtype,
+              max_len: int, quantization: str) -> "Ranks":
+        """Start (or join) the ranks. On a rank other than 0 (another machine, or torchrun's) this runs
+        that rank until rank 0 stops it, then raises SystemExit."""
+        global _active
+        spec = ModelSpec(str(dtype).removeprefix("torch."), max_len, quantization, device.type, config.dist_timeout)
+        if topo.rank != 0:
+            from augury.distributed.worker import run_node
+
+            raise SystemExit(run_node(topo, folder))
+        import torch.distributed as dist
+
+        store = dist.TCPStore(topo.host, topo.port, None, topo.hosts_store, wait_for_workers=False,
+                              timeout=timedelta(seconds=_start_timeout(spec.timeout, topo.nnodes)))
+        if topo.hosts_store:
+            topo = _with_port(topo, store.port)
+        store.set(SPEC_KEY, json.dumps(asdict(spec)))
+        ranks = Ranks(topo, store, spec, {})
+        _active = ranks
+        try:
+            ranks.children.update(spawn_local(topo, folder, skip_first=True))
+            topology.pin(topo.cores[0])
+            torch.set_num_threads(topo.threads_of(0))
+            ranks._wait("join", [HELLO.format(r) for r in range(1, topo.size)])
+            ranks.group = Group.init(store, 0, topo.size, _rank_device(device, 0), spec.timeout)
+            ranks.watchdog = Watchdog(topo.host, topo.port, 0, list(range(1, topo.size)), spec.timeout,
+                                      ranks.children, ranks._failed)
+            ranks.group.watchdog = ranks.watchdog
+            ranks.watchdog.start()
+            from augury.models.llama import plan_shards
+            from augury.models.config import TargetConfig
+
+            ranks.shard = plan_shards(TargetConfig.from_folder(folder), topo.size)[0]
+        except BaseException:
+            ranks.close()
+            raise
+        log.info("tensor parallelism: %d ranks (%s), %d on this machine, %d threads each, store %s:%d",
+                 topo.size, ranks.group.backend, topo.per_node, topo.threads_of(0), topo.host, topo.port)
+        return ranks
+
+    def wait_loaded(self) -> None:
+        """Every other rank has loaded its shard, or a RuntimeError names the first that failed."""
+        self._wait("load", [STATUS.format(r) for r in range(1, self.topo.size)])
+        for r in range(1, self.topo.size):
+            verdict = self.store.get(STATUS.format(r)).decode()
+            if verdict != "ok":
+                raise RuntimeError(f"tensor-parallel rank {r} failed to load its shard: {verdict.removeprefix('error: ')}")
+
+    def _wait(self, what: str, keys: list[str]) -> None:
+        deadline = time.monotonic() + _start_timeout(self.spec.timeout, self.topo.nnodes)
+        pending = list(keys)
+        while pending:
+            pending = [k for k in pending if not self.store.check([k])]
+            if not pending:
+                return
+            for r, proc in self.children.items():
+                code = proc.poll()
+                if code is not None:
+                    raise RuntimeError(f"tensor-parallel rank {r} (pid {proc.pid}) {exit_description(code)} "
+                                       f"before it could {what}")
+            if self.group is not None and self.group.failure:
+                raise RuntimeError(self.group.failure)
+            if time.monotonic() > deadline:
+                missing = ", ".join(k.rsplit("/", 1)[-1] for k in pending)
+                raise RuntimeError(f"tensor-parallel rank(s) {missing} did not {what} within "
+                                   f"{_start_timeout(self.spec.timeout, self.topo.nnodes):.0f} s")
+            time.sleep(0.05)
+
+    def attach(self, model, kv, attention, folder: Path, num_blocks: int, block_size: int):
+        """Size every rank's cache and give the engine rank 0's stand-ins: (model, kv, attention)."""
+        from augury.distributed.runner import ReplayedBackend, ShardedKV, ShardedTarget
+
+        self.group.send(("setup", num_blocks, block_size))
+        self.serving = True
+        return ShardedTarget(model, self.group, folder, self.close), ShardedKV(kv, self.group), \
+            ReplayedBackend(attention)
+
+    # ------------------------------------------------------------------ faults and the end
+    def _failed(self, line: str) -> None:
+        """The watchdog's report (its thread): stop the local ranks, then raise or exit."""
+        if self.group is not None:
+            self.group.failure = line
+        log.error("%s", line)
+        self._kill_children()
+        if _exit_on_failure and self.serving:
+            print(f"augury: error: {line}; every rank stopped", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def _kill_children(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        """Stop every rank (politely when they are all well, else by killing the local ones) and give
+        back the process group, this thread's cores and torch's thread count."""
+        global _active
+        if self.closed:
+            return
+        self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.serving and self.group is not None and not self.group.failure:
+            try:
+                self.group.send(("stop",))
+            except Exception:  # noqa: BLE001 - a rank already gone: the kill below is all there is
+                pass
+            for proc in self.children.values():
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        self._kill_children()
+        if self.group is not None:
+            self.group.destroy()
+        topology.pin(tuple(self._affinity))
+        torch.set_num_threads(self._threads)
+        if _active is self:
+            _active = None
+
+
+def _with_port(topo: Topology, port: int) -> Topology:
+    from dataclasses import replace
+
+    return replace(topo, port=port)
+
+
+def _rank_device(device: torch.device, local: int) -> torch.device:
+    return torch.device("cuda", local) if device.type == "cuda" else device
+
+
+def _package_root() -> str:
+    import augury
+
+    return str(Path(augury.__file__).resolve().parents[1])
+
+
+def spawn_local(topo: Topology, folder: Path, skip_first: bool) -> dict[int, subprocess.Popen]:
+    """Start this machine's ranks (all but this process's own) as fresh interpreters, each pinned to its
+    cores with its thread count, killed if the thread that started them dies (Linux), their output
+    on this process's stderr."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    children: dict[int, subprocess.Popen] = {}
+    main_thread = __import__("threading").current_thread() is __import__("threading").main_thread()
+    for local, rank in enumerate(topo.local_ranks()):
+        if skip_first and local == 0:
+            continue
+        args = {"rank": rank, "size": topo.size, "nnodes": topo.nnodes, "per_node": topo.per_node,
+                "host": topo.host, "port": topo.port, "cores": list(topo.cores[rank % topo.per_node]),
+                "threads": topo.threads_of(rank % topo.per_node), "folder": str(folder)}
+        env["OMP_NUM_THREADS"] = str(args["threads"])
+        children[rank] = subprocess.Popen(
+            [sys.executable, "-m", "augury.distributed.worker", json.dumps(args)], env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent if main_thread else None)
+    return children
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; Linux only)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - elsewhere the watchdog's lost store ends the child
+        pass
