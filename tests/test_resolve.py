@@ -142,7 +142,8 @@ ALLOWED = {
     "attention": ("cpu",),
     "models": ("cpu", "attention.base", "attention.sdpa"),  # attention's interface only
     "core": (),
-    "engine": ("core", "attention", "models", "cpu"),
+    "structured": (),
+    "engine": ("core", "attention", "models", "cpu", "structured"),
     "speculative": ("core", "attention", "models"),
 }
 

@@ -223,8 +223,8 @@ def _biased_accept_first_child(kid_toks, drawn):  # takes the first child whenev
 _exact_filters = verifier.apply_sampling_filters
 
 
-def _biased_no_temperature(logits, temperature, top_k=None, top_p=1.0):  # temperature forgotten
-    return _exact_filters(logits, 1.0, top_k, top_p)
+def _biased_no_temperature(logits, temperature, top_k=None, top_p=1.0, min_p=0.0):  # temperature forgotten
+    return _exact_filters(logits, 1.0, top_k, top_p, min_p)
 
 
 @pytest.mark.parametrize("name,patch", [

@@ -7,7 +7,43 @@ verification samples at a position is the token plain decoding samples there wit
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
+
+
+class LogitsShaper(Protocol):
+    """What reshapes one request's logits before the filters below (augury.structured.RequestShaper:
+    penalties, logit bias, bad words, a grammar's mask). Its state is the request's committed output
+    plus any tokens a verification walk pushed on top; the engine commits, a verifier pushes and
+    pops. Request.shaper holds one, or None when nothing shapes the request's logits."""
+
+    has_grammar: bool
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] float32 at the current state -> the shaped logits (in place; pass a copy)."""
+        ...
+
+    def push(self, token: int) -> None:
+        """A verification walk accepted `token` past the current state (undone by pop_all)."""
+        ...
+
+    def pop_all(self) -> None:
+        """Back to the committed state."""
+        ...
+
+    def commit(self, token: int) -> bool:
+        """`token` is now part of the output; True when it completed the grammar (it was the stop)."""
+        ...
+
+    def plan_tree(self, tokens: Sequence[int], parents: Sequence[int], size: int,
+                  capacity: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """For one draft tree (node 0 the root at the current state): the nodes the grammar allows
+        (an ancestor-closed list in index order), and forced continuations to hang under kept nodes
+        (parent node, tokens), at most `capacity` nodes in all."""
+        ...
+
 
 
 def _per_row(value, n: int, dtype: torch.dtype, device: torch.device, none_as: float) -> torch.Tensor:
@@ -33,14 +69,16 @@ def _nucleus_edge(srt: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(csum[..., -1:] < top_p, torch.full_like(edge, -1.0), edge)
 
 
-def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=1.0) -> torch.Tensor:
+def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=1.0, min_p=0.0) -> torch.Tensor:
     """logits [R, ..., V] -> probs [R, ..., V] float32 (rows sum to 1, filtered tokens exactly 0).
 
-    temperature / top_k / top_p: a scalar, or one value per leading row R (list or tensor).
+    temperature / top_k / top_p / min_p: a scalar, or one value per leading row R (list or tensor).
     Order as in vLLM and SGLang: divide by temperature, keep the top_k logits (ties at the k-th
-    kept), softmax, keep the smallest most-probable set with mass >= top_p (ties at its edge
-    kept), renormalise. top_k None or <= 0 and top_p 1 are exact no-ops. Temperature 0 gives the
-    one-hot argmax (the greedy limit), so a normal sampler may pass greedy rows through too.
+    kept), softmax, drop tokens under min_p x the largest probability, keep the smallest
+    most-probable set with mass >= top_p (ties at its edge kept), renormalise. top_k None or <= 0,
+    min_p 0 and top_p 1 are exact no-ops. Temperature 0 gives the one-hot argmax (the greedy
+    limit), so a normal sampler may pass greedy rows through too. Logits of -inf (a grammar's mask)
+    get probability 0; a row must keep at least one finite logit.
     """
     v = logits.shape[-1]
     r = logits.shape[0] if logits.dim() > 1 else 1
@@ -60,6 +98,12 @@ def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=
         kth = top.gather(-1, (k_sub - 1).view(-1, 1, 1).expand(-1, sub.shape[1], 1))
         flat[need_k] = sub.masked_fill(sub < kth, float("-inf"))
     probs = torch.softmax(flat, dim=-1)
+    mm = _per_row(min_p, r, torch.float32, dev, 0.0)
+    need_m = (mm > 0.0) & ~greedy
+    if bool(need_m.any()):
+        sub = probs[need_m]                                             # [Rm, X, V]
+        sub = sub.masked_fill(sub < sub.amax(dim=-1, keepdim=True) * mm[need_m].view(-1, 1, 1), 0.0)
+        probs[need_m] = sub / sub.sum(dim=-1, keepdim=True)
     need_p = (pp < 1.0) & ~greedy
     if bool(need_p.any()):
         sub = probs[need_p]                                             # [Rp, X, V]

@@ -8,6 +8,7 @@ import torch
 
 from augury.core.kv_cache import block_key
 from augury.outputs import SpecStats
+from augury.sampling import LogitsShaper
 from augury.sampling_params import SamplingParams
 
 UNIFORM_CHUNK = 64  # uniforms a sampled request draws from its generator at a time
@@ -81,6 +82,9 @@ class Request:
         # prompt token (prefill appends; position 0 has none); kept across a preemption's recompute
         self.logprobs: list[dict] = []
         self.prompt_logprobs: list[dict | None] = [None]
+        # penalties, logit bias, bad words, a grammar (set by the engine at admission when the params
+        # ask for any): shapes this request's logits wherever a token is chosen, kept across preemption
+        self.shaper: LogitsShaper | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

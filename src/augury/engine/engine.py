@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import uuid
 from typing import Protocol
 
@@ -27,6 +28,7 @@ from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
 from augury.sampling import token_logprobs
 from augury.sampling_params import SamplingParams
+from augury.structured import GrammarBackend, make_shaper
 
 log = logging.getLogger("augury.engine")
 
@@ -84,6 +86,8 @@ class Engine:
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._grammar = None  # structured.GrammarBackend, made at the first request with a grammar
+        self._grammar_lock = threading.Lock()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -109,11 +113,23 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params)
+        req.shaper = make_shaper(params, ids, vocab_size=vocab, device=self.device, tokenizer=self.tokenizer,
+                                 backend=self.grammar)
         self.requests[request_id] = req
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)
         return request_id
+
+    def grammar(self) -> GrammarBackend:
+        """The xgrammar backend over this engine's tokenizer (made once, on first use; thread-safe: the
+        server compiles a request's constraint on its tokenizer thread before admitting it)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs a tokenizer, and this model folder has none")
+                self._grammar = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+            return self._grammar
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -325,7 +341,8 @@ class Engine:
             n += 1
             self.stats.generation_tokens_total += 1
             reason = None
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            done = req.shaper is not None and req.shaper.commit(tok)  # the grammar took its stop token
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or done:
                 reason = "stop"
                 if p.stop:  # the stop token's text may also complete a stop string: cut it there
                     self._hit_stop_string(req)

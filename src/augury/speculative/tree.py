@@ -237,3 +237,46 @@ def with_root_only_rows(tree: DraftTree, rows: list[int], roots: list[int]) -> D
     for r, s in zip(rows, tree.row_sizes()):
         sizes[r] = s
     return DraftTree(tokens=tokens, parents=parents, depth=depth, sizes=sizes)
+
+
+def rebuild_rows(tree: DraftTree, plans: list[tuple[list[int], list[tuple[int, list[int]]]] | None]) -> DraftTree:
+    """Per row, keep only some of its nodes and hang new chains under kept ones (a grammar's pruning
+    and its forced continuations: structured.RequestShaper.plan_tree); None leaves a row as it is.
+
+    plans[b] = (kept nodes: ancestor-closed, in index order, the root first; chains: (kept parent
+    node, tokens)). Kept nodes keep their order (so parents still precede children and siblings their
+    score order), chain nodes follow in order. Rows get one width again; shorter rows are padded with
+    copies of their root hung under it (never offered: see DraftTree.sizes)."""
+    if len(plans) != tree.batch_size:
+        raise ValueError(f"rebuild_rows: {len(plans)} plans for {tree.batch_size} trees")
+    if all(p is None for p in plans):
+        return tree
+    toks, pars, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.row_sizes()
+    rows: list[tuple[list[int], list[int]]] = []
+    for b, plan in enumerate(plans):
+        if plan is None:
+            rows.append((toks[b][: sizes[b]], pars[b][: sizes[b]]))
+            continue
+        keep, chains = plan
+        if not keep or keep[0] != 0:
+            raise ValueError("rebuild_rows: a row's kept nodes must start with its root")
+        new_id = {old: i for i, old in enumerate(keep)}
+        t = [toks[b][i] for i in keep]
+        p = [-1] + [new_id[pars[b][i]] for i in keep[1:]]  # KeyError: a kept node's parent was dropped
+        for parent, chain in chains:
+            at = new_id[parent]
+            for tok in chain:
+                t.append(tok)
+                p.append(at)
+                at = len(t) - 1
+        rows.append((t, p))
+    n = max(len(t) for t, _ in rows)
+    out_t, out_p = [], []
+    for t, p in rows:
+        pad = n - len(t)
+        out_t.append(t + [t[0]] * pad)
+        out_p.append(p + [0] * pad)
+    dev = tree.tokens.device
+    parents = torch.tensor(out_p, dtype=torch.long, device=dev)
+    return DraftTree(tokens=torch.tensor(out_t, dtype=torch.long, device=dev), parents=parents,
+                     depth=depth_from_parents(parents), sizes=[len(t) for t, _ in rows])

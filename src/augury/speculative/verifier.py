@@ -7,6 +7,12 @@ CPUs, where even an argmax over all B*N*V logits costs more than the walk itself
 request reads one uniform per output position from its own stream (Request.uniforms), so its
 tokens depend neither on what shares the batch nor on the tree. Padding nodes (past a row's
 DraftTree.sizes) are never offered as children.
+
+A request with a LogitsShaper (penalties, logit bias, bad words, a grammar) has each visited
+node's row shaped at that node's state: the walk pushes every accepted draft onto the shaper
+(its matcher accepts it, its penalty counts grow) and pops them all at the end, so a node sees
+the committed output plus the drafts on its path, exactly as a decode step at that position
+would, and the bonus token is drawn under the same shaping.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import apply_sampling_filters, draw_rows
+from augury.sampling import LogitsShaper, apply_sampling_filters, draw_rows
 from augury.speculative.tree import DraftTree
 
 
@@ -63,10 +69,25 @@ def _rows_at(values: NodeValues) -> Callable[[list[int], list[int]], torch.Tenso
     return values
 
 
+def _shaped(at: Callable[[list[int], list[int]], torch.Tensor],
+            shapers: Sequence[LogitsShaper | None]) -> Callable[[list[int], list[int]], torch.Tensor]:
+    """`at`, with each row of a request that has a shaper shaped at the request's current state."""
+    def rows(bs: list[int], ns: list[int]) -> torch.Tensor:
+        out = at(bs, ns)
+        which = [a for a, b in enumerate(bs) if shapers[b] is not None]
+        if which:
+            out = out.to(torch.float32, copy=True)  # never shape the caller's logits (logprobs read them raw)
+            for a in which:
+                shapers[bs[a]].apply(out[a])
+        return out
+    return rows
+
+
 def _walk(tree: DraftTree, rows: list[int], at: Callable[[list[int], list[int]], torch.Tensor],
-          step: _Step) -> dict[int, tuple[list[int], int]]:
+          step: _Step, shapers: Sequence[LogitsShaper | None] | None = None) -> dict[int, tuple[list[int], int]]:
     """Walk the trees of `rows` from their roots one level at a time, fetching target rows only
-    for the nodes being visited; returns {row: (accepted node path, bonus token)}."""
+    for the nodes being visited; returns {row: (accepted node path, bonus token)}. Each accepted
+    draft is pushed onto its request's shaper, if any (the caller pops them)."""
     tokens, kids = tree.tokens.tolist(), _children(tree.parents.tolist(), tree.row_sizes())
     path = {b: [0] for b in rows}
     out: dict[int, tuple[list[int], int]] = {}
@@ -81,6 +102,8 @@ def _walk(tree: DraftTree, rows: list[int], at: Callable[[list[int], list[int]],
             if moves[a] >= 0:
                 path[b].append(kid_nodes[a][moves[a]])
                 nxt.append(b)
+                if shapers is not None and shapers[b] is not None:
+                    shapers[b].push(kid_toks[a][moves[a]])
             else:
                 out[b] = (path[b], bonus[a])
         active = nxt
@@ -134,28 +157,44 @@ def _sampling_step(uniforms: Sequence[Sequence[float]]) -> _Step:
 
 def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[float],
            top_ks: Sequence[int | None], top_ps: Sequence[float],
-           uniforms: Sequence[Sequence[float] | None] | None = None) -> VerifyResult:
+           uniforms: Sequence[Sequence[float] | None] | None = None,
+           min_ps: Sequence[float] | None = None,
+           shapers: Sequence[LogitsShaper | None] | None = None) -> VerifyResult:
     """target_logits [B, N, V] raw logits (or a row function). Rows with temperature 0 verify
     greedily, emitting the same tokens as plain greedy decoding with torch.argmax (first index on
     ties). The others verify by sampling from the filtered target, computed only at visited nodes:
     uniforms[b][d] is request b's uniform for its d-th new position (Request.uniforms: at least its
     tree's depth + 1 of them), and the emitted tokens are those plain sampling draws with the same
     uniforms. Greedy rows need none (uniforms, or its entry, may be None); a sampled row without
-    them is a ValueError."""
+    them is a ValueError. min_ps: per request (None: 0). shapers: per request, a LogitsShaper or None
+    (see the module's docstring); every row a shaper shapes is shaped before the argmax or the
+    filters, and the shapers are back at their committed state when verify returns."""
     b_all = tree.batch_size
     if not len(temperatures) == len(top_ks) == len(top_ps) == b_all:
         raise ValueError(f"verify: need one temperature, top_k and top_p per request ({b_all})")
+    if shapers is not None and len(shapers) != b_all:
+        raise ValueError(f"verify: need one shaper (or None) per request ({b_all})")
+    if shapers is not None and all(s is None for s in shapers):
+        shapers = None
+    min_ps = list(min_ps) if min_ps is not None else [0.0] * b_all
     at = _rows_at(target_logits)
+    if shapers is not None:
+        at = _shaped(at, shapers)
     greedy = [b for b in range(b_all) if temperatures[b] == 0]
     sampled = [b for b in range(b_all) if temperatures[b] != 0]
-    res = _walk(tree, greedy, at, _greedy_step) if greedy else {}
-    if sampled:
-        def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
-            return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs],
-                                          [top_ks[b] for b in bs], [top_ps[b] for b in bs])
-        per_row = list(uniforms) if uniforms is not None else [None] * b_all
-        missing = [b for b in sampled if per_row[b] is None]
-        if missing:
-            raise ValueError(f"verify: sampled rows {missing} need their uniforms (Request.uniforms)")
-        res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row)))
+    try:
+        res = _walk(tree, greedy, at, _greedy_step, shapers) if greedy else {}
+        if sampled:
+            def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
+                return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs], [top_ks[b] for b in bs],
+                                              [top_ps[b] for b in bs], [min_ps[b] for b in bs])
+            per_row = list(uniforms) if uniforms is not None else [None] * b_all
+            missing = [b for b in sampled if per_row[b] is None]
+            if missing:
+                raise ValueError(f"verify: sampled rows {missing} need their uniforms (Request.uniforms)")
+            res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row), shapers))
+    finally:
+        for s in shapers or ():
+            if s is not None:
+                s.pop_all()
     return _result(res, b_all)

@@ -21,7 +21,7 @@ from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import token_logprobs
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, TreeShape
-from augury.speculative.tree import DraftTree, cap_trees, with_root_only_rows
+from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
 log = logging.getLogger("augury.speculative")
@@ -75,7 +75,8 @@ class Speculator:
             shape = None
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
-        if shape is None or not host.reserve(reqs, shape.num_draft_tokens + self.proposer.extra_nodes):
+        lookahead = shape.num_draft_tokens + self.proposer.extra_nodes if shape is not None else 0
+        if shape is None or not host.reserve(reqs, lookahead):
             host.stats.steps_plain += 1
             return False
         sub = [reqs[i] for i in drafting]
@@ -87,6 +88,7 @@ class Speculator:
         tree = cap_trees(drafted, [caps[i] for i in drafting])
         if len(sub) < len(reqs):
             tree = with_root_only_rows(tree, drafting, [r.last_token_id for r, c in zip(reqs, caps) if c == 0])
+        tree = grammar_trees(tree, reqs, lookahead)
         accepted, offered, rows = self.verify_and_commit(host, reqs, tree)
         # the row sizes tell the policy what share of the whole shape's cost this step drafted
         self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
@@ -118,7 +120,7 @@ class Speculator:
         uniforms = [r.uniforms(len(r.output_token_ids), d + 1) if p.temperature != 0.0 else None
                     for r, p, d in zip(reqs, ps, depths)]
         res = verify(tree, logits_at, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
-                     uniforms)
+                     uniforms, [p.min_p for p in ps], [r.shaper for r in reqs])
         committed = res.committed_tokens(tree)
         lps = self._logprobs(host, reqs, res.accepted_nodes, committed, logits_at, hidden)
         sizes = tree.row_sizes()
@@ -180,6 +182,22 @@ class Speculator:
                 rows = host.target_logits(hidden[b, paths[b]])
             out[b] = token_logprobs(rows, committed[b], [k] * len(committed[b]))
         return out
+
+
+def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftTree:
+    """The grammar as a pruner and a proposer: in each drafting row of a request with a grammar, drop
+    the drafts it refuses (with their subtrees) before the target sees them, and draft for free the
+    tokens it forces (keys, punctuation, a fixed enum value) under the kept nodes, up to `capacity`
+    nodes a row (what the step reserved). Root-only rows stay as they are."""
+    sizes = tree.row_sizes()
+    rows = [b for b, r in enumerate(reqs) if r.shaper is not None and r.shaper.has_grammar and sizes[b] > 1]
+    if not rows:
+        return tree
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    plans: list = [None] * len(reqs)
+    for b in rows:
+        plans[b] = reqs[b].shaper.plan_tree(toks[b], pars[b], sizes[b], capacity)
+    return rebuild_rows(tree, plans)
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

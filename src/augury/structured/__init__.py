@@ -1,0 +1,41 @@
+"""Structured output and logit shaping: a request's constraint compiled by xgrammar (backend.py), and
+the per-request object that shapes its logits wherever a token is chosen, in decode steps and in
+speculative verification alike (shaper.py), and prunes and extends its draft trees (the grammar as
+a proposer). tools.py builds the tool-call grammar and parses tool calls out of the text."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from augury.sampling_params import SamplingParams
+from augury.structured.backend import GrammarBackend, ShapingStats
+from augury.structured.shaper import RequestShaper, bad_word_ids
+
+__all__ = ["GrammarBackend", "RequestShaper", "ShapingStats", "make_shaper"]
+
+
+def make_shaper(params: SamplingParams, prompt_ids: Sequence[int], *, vocab_size: int, device: torch.device,
+                tokenizer, backend: Callable[[], GrammarBackend]) -> RequestShaper | None:
+    """The request's shaper, or None when nothing but temperature, top-k, top-p and min-p acts on its
+    logits. ValueError (naming the parameter) for what this model cannot take: a token id outside
+    its vocabulary, bad words or a grammar without a tokenizer, a grammar xgrammar refuses."""
+    if not params.shapes_logits:
+        return None
+    if params.logit_bias:
+        bad = [t for t in params.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]}, outside this model's vocabulary [0, {vocab_size})")
+    if (params.bad_words or params.structured_outputs is not None) and tokenizer is None:
+        what = "bad_words" if params.bad_words else "structured_outputs"
+        raise ValueError(f"{what} needs a tokenizer, and this model folder has none")
+    words = bad_word_ids(tokenizer, params.bad_words) if params.bad_words else None
+    matcher = grammar = None
+    if params.structured_outputs is not None:
+        grammar = backend()
+        matcher = grammar.matcher(params.structured_outputs)
+    shaper = RequestShaper(params, prompt_ids, vocab_size, device, matcher, grammar, words,
+                           grammar.stats if grammar is not None else None)
+    if grammar is not None:
+        grammar.stats.constrained_requests += 1
+    return shaper

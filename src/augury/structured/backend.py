@@ -1,0 +1,116 @@
+"""xgrammar over one tokenizer: compile a request's constraint (cached, bounded) and make its matcher.
+
+Grammars are compiled by xgrammar's GrammarCompiler, whose cache (keyed by the constraint's text
+and options) is bounded by CACHE_BYTES, least recently used first; masks are built on the CPU.
+A backend is shared by the engine thread (matchers for admitted requests) and the server's
+tokenizer thread (compiling a request's constraint before admission, so a bad schema is a 400
+before anything streams): compiles hold a lock, matchers are per request.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+
+from augury.sampling_params import StructuredOutputsParams
+
+CACHE_BYTES = 64 * 2**20  # compiled grammars kept (xgrammar's LRU cache); more are compiled again
+
+
+@dataclass
+class ShapingStats:
+    """Counters the server's /metrics reads (written by the engine thread only)."""
+
+    constrained_requests: int = 0  # requests admitted with a grammar
+    mask_seconds: float = 0.0  # time spent filling and applying grammar masks
+    masked_tokens: int = 0  # rows (a decode step's, or a verified node's) a grammar mask was built for
+
+
+def _clean(exc: BaseException) -> str:
+    """xgrammar's messages open with '[hh:mm:ss] /path/file.cc:123: '; keep the sentence."""
+    text = str(exc).strip()
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_BOUNDED_STRING = '^[^\\x00-\\x1f"\\\\]{%d,%s}$'
+
+
+def _bounded_strings(schema):
+    """A copy of a JSON schema where each string with minLength/maxLength (and no pattern, format, enum
+    or const) becomes the equivalent pattern without control characters. xgrammar 0.2's own rule for
+    length-bounded strings lets raw control characters through (invalid JSON: a random model wrote
+    "\x01" inside one); its pattern rule does not. (Escape sequences are not generated in such
+    strings, as in xgrammar's own rule.)"""
+    if isinstance(schema, list):
+        return [_bounded_strings(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
+            and not any(k in out for k in ("pattern", "format", "enum", "const"))):
+        lo, hi = out.get("minLength", 0), out.get("maxLength")
+        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):  # else xgrammar judges it as given
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
+            out["pattern"] = _BOUNDED_STRING % (lo, "" if hi is None else hi)
+    return out
+
+
+def _ebnf_literal(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int] | list[int],
+                 cache_bytes: int = CACHE_BYTES) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
+                                            cache_limit_bytes=cache_bytes)
+        self.stats = ShapingStats()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of `spec`; ValueError naming the constraint when xgrammar refuses it."""
+        kind = spec.kind
+        c = self.compiler
+        try:
+            with self._lock:
+                if kind == "json":
+                    schema = spec.json if isinstance(spec.json, dict) else {}  # true: any JSON value
+                    return c.compile_json_schema(json.dumps(_bounded_strings(schema)),
+                                                 any_whitespace=not spec.disable_any_whitespace,
+                                                 strict_mode=True)
+                if kind == "json_object":
+                    return c.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
+                                                 strict_mode=False)
+                if kind == "regex":
+                    return c.compile_regex(spec.regex)
+                if kind == "choice":
+                    return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(x) for x in spec.choice))
+                if kind == "grammar":
+                    return c.compile_grammar(spec.grammar)
+                return c.compile_structural_tag(spec.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_clean(e)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams):
+        """A fresh matcher for one request (rollback unbounded: a verification walk pushes at most a
+        tree's depth, and pops it)."""
+        return self._xgr.GrammarMatcher(self.compile(spec), max_rollback_tokens=-1)
+
+    def new_bitmask(self, rows: int = 1):
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits, bitmask) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.compiler.get_cache_size_bytes())

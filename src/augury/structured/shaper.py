@@ -1,0 +1,207 @@
+"""One request's logit shaping: logit bias, bad words, repetition / frequency / presence penalties and
+a grammar's mask, at the request's committed output plus whatever a verification walk pushed.
+
+The same object shapes a decode step's row and every tree node a speculative verification visits:
+the verifier pushes each accepted draft (the grammar's matcher accepts it, the penalty counts grow)
+and pops them all when the walk is done; only Engine.commit advances the committed state. So a
+node's logits are shaped exactly as a decode step at that node's position would shape them, and
+greedy speculative output under any of these equals greedy plain output.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from augury.sampling_params import SamplingParams
+from augury.structured.backend import GrammarBackend, ShapingStats
+
+MAX_FORCED = 32  # forced tokens looked up per tree node (jump-forward drafts)
+
+
+def bad_word_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each word's token ids as it would appear in text, with and without a leading space (vLLM's
+    rule: the spaced form only where it tokenizes to as many tokens with another first one)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in out:
+                out.append(ids)
+        if plain and spaced and len(spaced) != len(plain) and spaced in out and plain != spaced:
+            out.remove(spaced)
+    return out
+
+
+class RequestShaper:
+    """augury.sampling.LogitsShaper for one request."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, device: torch.device,
+                 matcher=None, backend: GrammarBackend | None = None, bad_words: list[list[int]] | None = None,
+                 stats: ShapingStats | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.matcher = matcher
+        self.backend = backend
+        self.has_grammar = matcher is not None
+        self.stats = stats or ShapingStats()
+        self._bitmask = backend.new_bitmask(1) if backend is not None and matcher is not None else None
+        p = params
+        self.presence, self.frequency, self.repetition = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        self.counts: torch.Tensor | None = None  # [V] float32: output tokens so far (committed + pushed)
+        if self.presence or self.frequency:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.seen: torch.Tensor | None = None  # [V] bool: tokens in the prompt or the output
+        if self.repetition != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(sorted(set(prompt_ids)), dtype=torch.long, device=device)] = True
+        self.bias_ids = self.bias_values = None
+        if p.logit_bias:
+            self.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            self.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+        words = bad_words or []
+        single = sorted({w[0] for w in words if len(w) == 1})
+        self.bad_single = torch.tensor(single, dtype=torch.long, device=device) if single else None
+        self.bad_multi = [w for w in words if len(w) > 1]
+        self.output: list[int] = []  # output tokens (committed, then pushed): bad words' context
+        self._pushed = 0  # tokens pushed on top of the committed state
+        self._newly_seen: list[int] = []  # pushed tokens that set a `seen` flag (cleared on pop)
+        self._matched = 0  # pushed tokens the matcher accepted (rolled back on pop)
+        self._off_grammar = False  # a pushed token the grammar refused: no mask past it (never committed)
+
+    # ----------------------------------------------------------------- shaping
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] float32 (in place) -> shaped for the next token at the current state."""
+        if self.bias_ids is not None:
+            logits.index_add_(0, self.bias_ids, self.bias_values)
+        if self.bad_single is not None:
+            logits.index_fill_(0, self.bad_single, float("-inf"))
+        for word in self.bad_multi:
+            n = len(word) - 1
+            if len(self.output) >= n and self.output[-n:] == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        if self.seen is not None:
+            r = self.repetition
+            seen = self.seen
+            logits.copy_(torch.where(seen & (logits > 0), logits / r, torch.where(seen, logits * r, logits)))
+        if self.counts is not None:
+            logits.sub_(self.counts * self.frequency + (self.counts > 0).to(torch.float32) * self.presence)
+        if self.matcher is not None and not self._off_grammar and not self.matcher.is_terminated():
+            t0 = time.perf_counter()
+            if self.matcher.fill_next_token_bitmask(self._bitmask):
+                self.backend.apply_bitmask(logits.view(1, -1), self._bitmask)
+            self.stats.mask_seconds += time.perf_counter() - t0
+            self.stats.masked_tokens += 1
+        return logits
+
+    # ----------------------------------------------------------------- state
+    def _add(self, token: int) -> None:
+        self.output.append(token)
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None and not bool(self.seen[token]):
+            self.seen[token] = True
+            if self._pushed:
+                self._newly_seen.append(token)
+
+    def push(self, token: int) -> None:
+        self._pushed += 1
+        self._add(token)
+        if self.matcher is not None and not self._off_grammar:
+            if self.matcher.accept_token(token):
+                self._matched += 1
+            else:
+                self._off_grammar = True
+
+    def pop_all(self) -> None:
+        if not self._pushed:
+            return
+        undone = self.output[-self._pushed:]
+        del self.output[-self._pushed:]
+        if self.counts is not None:
+            self.counts.index_add_(0, torch.tensor(undone, dtype=torch.long, device=self.device),
+                                   torch.full((len(undone),), -1.0, device=self.device))
+        if self.seen is not None and self._newly_seen:
+            self.seen[torch.tensor(self._newly_seen, dtype=torch.long, device=self.device)] = False
+        if self._matched:
+            self.matcher.rollback(self._matched)
+        self._pushed = self._matched = 0
+        self._newly_seen = []
+        self._off_grammar = False
+
+    def commit(self, token: int) -> bool:
+        if self._pushed:
+            raise RuntimeError("RequestShaper.commit while a verification walk's tokens are pushed")
+        self._add(token)
+        if self.matcher is None:
+            return False
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused committed token {token}: a token was chosen outside its mask")
+        return self.matcher.is_terminated()
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    # ----------------------------------------------------------------- drafts
+    def forced_tokens(self, limit: int = MAX_FORCED) -> list[int]:
+        """Tokens the grammar forces from the current state (jump-forward), at most `limit`."""
+        if self.matcher is None or self._off_grammar or self.matcher.is_terminated() or limit <= 0:
+            return []
+        return list(self.matcher.find_jump_forward_tokens())[:limit]
+
+    def plan_tree(self, tokens: Sequence[int], parents: Sequence[int], size: int,
+                  capacity: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """Walk one draft tree (node 0 the root, at the committed state) with the matcher: keep the
+        nodes whose token the grammar allows after their kept parent (a refused node goes with its
+        subtree), and hang the grammar's forced continuation under each kept node none of whose
+        kept children starts it, while the tree has room (`capacity` nodes in all), best-scored
+        nodes first. Without a grammar: every node, no chains."""
+        if self.matcher is None:
+            return list(range(size)), []
+        kids: list[list[int]] = [[] for _ in range(size)]
+        for i in range(1, size):
+            kids[parents[i]].append(i)
+        keep = [0]
+        m = self.matcher
+
+        def visit(node: int) -> None:  # the matcher is at `node`'s state; collect its allowed subtree
+            for c in kids[node]:
+                if m.accept_token(tokens[c]):
+                    keep.append(c)
+                    visit(c)
+                    m.rollback(1)
+
+        if not self._off_grammar and not m.is_terminated():
+            visit(0)
+        keep.sort()
+        first_kid = {}
+        for i in keep[1:]:
+            first_kid.setdefault(parents[i], set()).add(tokens[i])
+        room = capacity - len(keep)
+        chains: list[tuple[int, list[int]]] = []
+        if room <= 0 or self._off_grammar:
+            return keep, chains
+        for node in keep:  # index order: the best-scored first
+            if room <= 0:
+                break
+            path = []
+            n = node
+            while n > 0:
+                path.append(tokens[n])
+                n = parents[n]
+            ok = 0
+            for t in reversed(path):
+                if not m.accept_token(t):
+                    break
+                ok += 1
+            if ok == len(path):
+                forced = self.forced_tokens(room)
+                if forced and forced[0] not in first_kid.get(node, ()):
+                    chains.append((node, forced))
+                    room -= len(forced)
+            if ok:
+                m.rollback(ok)
+        return keep, chains

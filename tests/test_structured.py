@@ -1,0 +1,191 @@
+"""Structured output and logit shaping through the engine: every answer parses and validates against
+its schema, speculative greedy output equals plain greedy output under the same constraint (EAGLE-3
+and n-gram drafts, the grammar pruning drafts and drafting forced tokens itself), seeded sampling
+under a constraint is plain seeded sampling token for token, and sampled tokens under a mask follow
+the masked distribution (chi-square). Tiny float32 targets with a byte-level BPE tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.sampling_params import StructuredOutputsParams as SO
+from helpers_server import make_tiny_checkpoint
+from speculative_helpers import make_target, random_head
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    """A 2-layer random target with the server tests' byte-level tokenizer, and a random EAGLE-3 head."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("structured")
+    tok = AutoTokenizer.from_pretrained(str(make_tiny_checkpoint(root / "tok")))
+    target = make_target(root / "target", vocab=len(tok), layers=2)
+    tok.save_pretrained(str(target))
+    return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts) -> LLM:
+    return LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+
+
+@pytest.fixture(scope="module")
+def spec(ckpts) -> LLM:
+    return LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]),
+               speculative_algorithm="eagle3", speculative_policy="static", speculative_num_steps=3,
+               speculative_eagle_topk=2, speculative_num_draft_tokens=6, log_stats_interval=0, max_num_seqs=8)
+
+
+def _no_leak(llm: LLM) -> None:
+    a = llm.engine.allocator
+    assert a.num_free == a.num_usable and not llm.engine.has_unfinished_requests()
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [30, 40], [50, 60, 70, 80, 90]]
+NAME = {"type": "string", "maxLength": 6}
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": NAME, "ok": {"type": "boolean"}}, "required": ["name", "ok"]},
+    "nested": {"type": "object", "required": ["user", "score"], "properties": {
+        "user": {"type": "object", "required": ["id", "tags"], "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 999},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}}},
+        "score": {"type": "number", "minimum": 0, "maximum": 1}}},
+    "enums-and-bools": {"type": "object", "required": ["kind", "flags", "level"], "properties": {
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+        "level": {"type": "integer", "minimum": -5, "maximum": 5}}},
+    "array-of-objects": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "required": ["k", "v"], "properties": {"k": NAME, "v": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schema_answers_validate_and_speculation_equals_plain(plain, spec, name):
+    schema = SCHEMAS[name]
+    params = SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=SO(json=schema))
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert w.finish_reason == "stop", w.text
+        jsonschema.validate(json.loads(w.text), schema)
+        assert g.token_ids == w.token_ids
+    assert sum(g.spec_stats.num_accepted_draft_tokens for g in got) > 0
+    _no_leak(spec)
+
+
+@pytest.mark.parametrize("so, check", [
+    (SO(regex=r"[a-z]{2,5}-[0-9]{1,3}"), lambda t: __import__("re").fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", t)),
+    (SO(choice=["yes", "no", "maybe later"]), lambda t: t in ("yes", "no", "maybe later")),
+    (SO(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'),
+     lambda t: t.startswith("(") and t.endswith(")")),
+    (SO(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+], ids=["regex", "choice", "ebnf", "json_object"])
+def test_other_constraints_hold_and_speculation_equals_plain(plain, spec, so, check):
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=so)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        if w.finish_reason == "stop":
+            assert check(w.text), w.text
+        assert g.token_ids == w.token_ids
+    assert any(w.finish_reason == "stop" for w in want)
+
+
+def test_ngram_drafts_under_a_grammar_equal_plain(ckpts, plain):
+    llm = LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="ngram", speculative_policy="static",
+              log_stats_interval=0)
+    params = SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=SO(json=SCHEMAS["nested"]))
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    _no_leak(llm)
+
+
+def test_seeded_sampling_under_a_grammar_is_plain_seeded_sampling(plain, spec):
+    params = [SamplingParams(max_tokens=150, temperature=0.9, top_p=0.95, min_p=0.05, seed=s,
+                             structured_outputs=SO(json=SCHEMAS["enums-and-bools"])) for s in range(4)]
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for w in want:
+        if w.finish_reason == "stop":
+            jsonschema.validate(json.loads(w.text), SCHEMAS["enums-and-bools"])
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(plain, spec):
+    params = SamplingParams(max_tokens=5, temperature=0.0, structured_outputs=SO(json=SCHEMAS["nested"]))
+    for llm in (plain, spec):
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_forced_tokens_are_drafted_and_accepted(spec):
+    """A schema that is mostly fixed text: the grammar drafts its forced tokens, and they are accepted
+    whatever the (random) head proposes."""
+    schema = {"type": "object", "required": ["description_of_item", "category_name"], "properties": {
+        "description_of_item": {"enum": ["a very long fixed value", "another fixed value entirely"]},
+        "category_name": {"enum": ["first category", "second category"]}}}
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=SO(json=schema))
+    out = spec.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    jsonschema.validate(json.loads(out.text), schema)
+    s = out.spec_stats
+    assert s.num_accepted_draft_tokens >= len(out.token_ids) // 2, s  # most tokens came from forced drafts
+
+
+def test_invalid_constraints_are_value_errors_naming_them(plain):
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        plain.generate([PROMPTS[0]], SamplingParams(structured_outputs=SO(json={"type": "objectx"})), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        plain.generate([PROMPTS[0]], SamplingParams(structured_outputs=SO(regex="(a")), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.grammar"):
+        plain.generate([PROMPTS[0]], SamplingParams(structured_outputs=SO(grammar="root ::= b")), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        SO(json={}, regex="a")
+    with pytest.raises(ValueError, match="logit_bias"):
+        plain.generate([PROMPTS[0]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    _no_leak(plain)
+
+
+def test_compiled_grammars_are_cached_and_bounded(plain):
+    backend = plain.engine.grammar()
+    so = SO(json=SCHEMAS["flat"])
+    first = backend.compile(so)
+    assert backend.compile(SO(json=json.loads(json.dumps(SCHEMAS["flat"])))) is not None
+    assert backend.cache_bytes > 0 and first is not None
+    assert backend.compiler.cache_limit_bytes > 0  # xgrammar's LRU cache is bounded
+
+
+# --------------------------------------------------------------------------- sampling under a mask
+
+def test_sampled_tokens_under_a_mask_follow_the_masked_distribution(ckpts, spec):
+    """Chi-square: the token at a verified position (after two forced tokens: the requests share their
+    prompt, so a prefix-cache hit leaves the first decode step plain) under a regex that allows four
+    letters there is distributed as the target's softmax restricted to them."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpts["target"]))
+    letters = [tok.convert_tokens_to_ids(c) for c in "abcd"]
+    forced = [tok.convert_tokens_to_ids(c) for c in "xy"]
+    prompt = PROMPTS[2]
+    model = AutoModelForCausalLM.from_pretrained(str(ckpts["target"]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + forced])).logits[0, -1]
+    expected = torch.softmax(logits[letters], dim=0).double()
+    n = 400
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=1000 + i, structured_outputs=SO(regex="xy[a-d]"))
+              for i in range(n)]
+    outs = spec.generate([prompt] * n, params, use_tqdm=False)
+    assert all(o.token_ids[:2] == forced and o.spec_stats.num_verify_steps == 1 for o in outs)
+    counts = torch.zeros(4, dtype=torch.float64)
+    for o in outs:
+        counts[letters.index(o.token_ids[2])] += 1
+    p = chisquare(counts.numpy(), (expected / expected.sum() * n).numpy()).pvalue
+    assert p > 1e-3, (counts, expected * n)
