@@ -72,9 +72,9 @@ def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
     (ValueError naming the numbers)."""
     from augury.models.llama import plan_shards
 
+    plan_shards(tcfg, topology.requested_size(config))
     cuda = torch.cuda.device_count() if device.type == "cuda" else 0
     topo = topology.plan(config, device.type, cuda)
-    plan_shards(tcfg, topo.size)
     if topo.rank == 0 and torch.distributed.is_initialized():
         raise ValueError("this process already belongs to a torch.distributed group (one tensor-parallel "
                          "engine per process); close the other LLM first")

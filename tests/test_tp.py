@@ -1,0 +1,227 @@
+"""Tensor parallelism (augury/distributed, models/llama.py's shards).
+
+The shards' arithmetic in one process (ranks as threads summing through a barrier: any rank count,
+no cores needed), then real ranks: two processes over gloo, as `LLM(..., tensor_parallel_size=2)`
+starts them: float32 logits against one process, greedy answers, speculative == plain, a rank that
+fails to load, and the errors for numbers that do not split."""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.attention import PagedBackend
+from augury.core.kv_cache import KVCache
+from augury.models.config import TargetConfig
+from augury.models.llama import plan_shards
+from augury.models.loader import load_target
+from augury.stages import StartupError
+from conftest import random_prompts
+
+TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
+
+
+def _llama(folder: Path, heads: int, kv_heads: int, hidden: int = 96, inter: int = 192, vocab: int = 256,
+           seed: int = 0) -> Path:
+    """A tiny random Llama with the head counts asked for (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      initializer_range=0.15, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).float().save_pretrained(str(folder))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------- the plan
+
+def test_plan_splits_kv_groups_evenly_where_it_can_and_names_the_numbers_where_it_cannot(tiny_checkpoint) -> None:
+    cfg = TargetConfig.from_folder(tiny_checkpoint("llama"))  # 4 heads, 2 KV heads, 128 MLP columns, 256 words
+    two = plan_shards(cfg, 2)
+    assert [(s.heads, s.kv_heads, s.inter, s.vocab) for s in two] == [
+        ((0, 2), (0, 1), (0, 64), (0, 128)), ((2, 4), (1, 2), (64, 128), (128, 256))]
+    four = plan_shards(cfg, 4)  # more ranks than KV heads: each KV head on two ranks, one query head each
+    assert [s.kv_heads for s in four] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.heads for s in four] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds the model's 2 KV heads"):
+        plan_shards(cfg, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 exceeds the model's 2 KV heads.*4 query heads"):
+        plan_shards(cfg, 8)
+    # the demo's shape: 9 heads over 3 KV heads on 2 ranks is 3 + 6 (whole KV groups; rank 0, which also runs
+    # the engine, the lighter share), MLP and vocab even
+    demo = TargetConfig.from_dict({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                                   "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                   "vocab_size": 49152})
+    assert [(s.heads, s.inter, s.vocab) for s in plan_shards(demo, 2)] == [
+        ((0, 3), (0, 768), (0, 24576)), ((3, 9), (768, 1536), (24576, 49152))]
+
+
+# ------------------------------------------------------------------- shards as threads, one process
+
+class _ThreadGroup:
+    """models.llama.Collectives for ranks that are threads of one process (a barrier, sums in rank order)."""
+
+    def __init__(self, rank: int, size: int, shared: dict) -> None:
+        self.rank, self.size, self.shared = rank, size, shared
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.shared["slots"][self.rank] = t.clone()
+        self.shared["barrier"].wait()
+        got = list(self.shared["slots"])
+        self.shared["barrier"].wait()
+        return got
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(t)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return t.copy_(total)
+
+    def gather_vocab(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat(self._exchange(t), dim=-1)
+
+
+def _threaded_logits(folder: Path, size: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits of a prefill and of one decode step after it, the model split over `size` threads."""
+    cfg = TargetConfig.from_folder(folder)
+    shards = plan_shards(cfg, size) if size > 1 else [None]
+    shared = {"slots": [None] * size, "barrier": threading.Barrier(size)}
+    out: list = [None] * size
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            group = _ThreadGroup(r, size, shared) if size > 1 else None
+            model, _ = load_target(folder, torch.float32, torch.device("cpu"), 64, "none", shards[r], group)
+            kv = KVCache(cfg.num_layers, 4, 16, model.cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+            backend, n = PagedBackend(kv.k, kv.v, 16), len(prompt)
+            with torch.inference_mode():
+                h, _ = model(torch.tensor([prompt]), torch.arange(n)[None], backend.prepare_prefill([[1, 2]], [0], [n]))
+                first = model.logits(h[0])
+                h, _ = model(torch.tensor([[prompt[-1]]]), torch.tensor([[n]]), backend.prepare_decode([[1, 2]], [n]))
+                out[r] = (first, model.logits(h[:, 0]))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,sizes", [
+    (4, 2, (2, 4)),  # even; 4 ranks: KV heads replicated
+    (6, 3, (2, 3, 6)),  # 2 ranks: KV groups 2 + 1 (the demo's case); 6: each KV head on 2 ranks
+])
+def test_sharded_logits_equal_one_process_in_float32(tmp_path, heads, kv_heads, sizes) -> None:
+    folder = _llama(tmp_path / "m", heads, kv_heads)
+    prompt = random_prompts([11], seed=4)[0]
+    want = _threaded_logits(folder, 1, prompt)
+    for size in sizes:
+        got = _threaded_logits(folder, size, prompt)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- two ranks over gloo
+
+def _close(llm: LLM) -> None:
+    llm.engine.model.close()
+
+
+def _logits(engine, prompt: list[int]) -> torch.Tensor:
+    """The engine's own target over a prompt in free blocks: float32 logits [len, V] (rank 0 gathers)."""
+    n = len(prompt)
+    attn = engine.attention.prepare_prefill([[1, 2, 3]], [0], [n])
+    with torch.inference_mode():
+        h, _ = engine.model(torch.tensor([prompt]), torch.arange(n)[None], attn, ())
+        return engine.model.logits(h[0])
+
+
+@TWO_CORES
+def test_two_ranks_give_one_process_logits_and_greedy_answers(tiny_checkpoint) -> None:
+    folder = tiny_checkpoint("llama")
+    prompts = random_prompts([5, 17, 3, 9, 26], seed=7)  # varied lengths, one batch
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 7, 16, 9, 5)]
+    common = dict(dtype="float32", device="cpu", speculative_algorithm="none", log_stats_interval=0.0)
+    one = LLM(str(folder), **common)
+    want_logits = [_logits(one.engine, p) for p in prompts[:2]]
+    want = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(str(folder), tensor_parallel_size=2, **common)
+    try:
+        for p, w in zip(prompts[:2], want_logits):
+            torch.testing.assert_close(_logits(two.engine, p), w, rtol=0, atol=1e-4)
+        got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        stats = two.engine.model.group.stats()
+        assert stats["size"] == 2 and stats["backend"] == "gloo" and stats["calls"]["all_reduce"] > 0
+    finally:
+        _close(two)
+
+
+@TWO_CORES
+def test_two_ranks_speculative_static_tree_equals_plain(tmp_path) -> None:
+    from speculative_helpers import make_target, random_head
+
+    target, head = make_target(tmp_path / "target"), random_head(tmp_path / "head")
+    llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, dtype="float32",
+              device="cpu", log_stats_interval=0.0, tensor_parallel_size=2)
+    try:
+        prompts = random_prompts([6, 9, 4], seed=5)
+        lengths = (20, 13, 26)
+        plain = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                      max_draft_tokens=0) for n in lengths], use_tqdm=False)
+        spec = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                      for n in lengths], use_tqdm=False)
+        assert sum(o.spec_stats.num_verify_steps for o in spec) > 0
+        assert sum(o.spec_stats.num_verify_steps for o in plain) == 0
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    finally:
+        _close(llm)
+
+
+@TWO_CORES
+def test_a_rank_that_fails_to_load_stops_start_up_and_leaves_nothing_running(tiny_checkpoint, monkeypatch) -> None:
+    from augury.distributed import launch
+
+    started: list = []
+    real = launch.spawn_local
+
+    def spawn(*args, **kwargs):
+        children = real(*args, **kwargs)
+        started.extend(children.values())
+        return children
+
+    monkeypatch.setattr(launch, "spawn_local", spawn)
+    monkeypatch.setenv("AUGURY_FAULT_INJECT", "target@rank1")
+    with pytest.raises(StartupError) as info:
+        LLM(str(tiny_checkpoint("llama")), dtype="float32", device="cpu", speculative_algorithm="none",
+            tensor_parallel_size=2)
+    assert info.value.stage == "target"
+    assert "tensor-parallel rank 1 failed to load its shard: fault injected" in str(info.value.cause)
+    assert started and all(p.poll() is not None for p in started)
+    assert not torch.distributed.is_initialized()
+    assert launch.status() == {"size": 1, "backend": None}
+
+
+def test_numbers_that_do_not_split_are_refused_before_anything_starts(tiny_checkpoint) -> None:
+    folder = str(tiny_checkpoint("llama"))
+    with pytest.raises(StartupError, match="tensor_parallel_size 3 exceeds the model's 2 KV heads"):
+        LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=3)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(StartupError, match=f"more than its {cores} CPU cores"):
+        LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2 * cores, nnodes=1)
+    with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
+        LLM(folder, tensor_parallel_size=2, nnodes=2)
