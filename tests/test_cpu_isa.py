@@ -79,6 +79,14 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
     kc, vc = torch.randn(40, 2, 32, generator=g), torch.randn(40, 2, 32, generator=g)
     slots = torch.randint(0, 40, (5, 12), generator=g)
     nkeys = torch.tensor([1, 5, 12, 7, 3], dtype=torch.int32)
+    # attention's AVX-512 paths by head size (64 and 128 unrolled, other multiples of 16, and 24, which
+    # takes the 8-lane path everywhere), bfloat16 caches, 3 query heads per key-value head, 1..37 keys
+    heads = []
+    for hd in (64, 128, 48, 24):
+        qh = torch.randn(4, 6, hd, generator=g).to(torch.bfloat16)
+        kh, vh = (torch.randn(50, 2, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+        heads.append((qh, kh, vh, torch.randint(0, 50, (4, 37), generator=g),
+                      torch.tensor([1, 9, 37, 16], dtype=torch.int32), hd ** -0.5))
     outs = {}
     for lv in ("avx2", level):
         w4 = cpu_kernels.W4A8(build.build("w4a8", lv))
@@ -87,5 +95,6 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
         at = cpu_kernels.AttentionKernel(build.build("attention", lv))
         outs[lv] = [w4.linear(x, *w4.pack(codes, scale, zero)), w8.linear(x.float(), *w8.pack(w)),
                     bf.linear(x.float(), bf.pack(w), 72), at.attend_rows(q, kc, vc, slots, nkeys, 0.2)]
+        outs[lv] += [at.attend_rows(*case) for case in heads]
     for a, b in zip(outs["avx2"], outs[level]):
         assert torch.equal(a, b)

@@ -34,14 +34,49 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, y);
 }
 
+// p_j = exp8(s_j - m) in place over a head's n scores, and 1 / l, l = sum_j p_j (8-lane partial sums
+// in key order, then hsum, then the tail in order).
+inline float softmax_inplace(float *sc, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 l8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+        _mm256_storeu_ps(sc + j, p);
+        l8 = _mm256_add_ps(l8, p);
+    }
+    float l = hsum(l8);
+    if (j < n) {
+        alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t e = j; e < n; e++) t[e - j] = sc[e];
+        _mm256_store_ps(t, exp8(_mm256_sub_ps(_mm256_load_ps(t), mv)));
+        for (int64_t e = j; e < n; e++) {
+            sc[e] = t[e - j];
+            l += t[e - j];
+        }
+    }
+    return 1.0f / l;
+}
+
+inline void store_out(void *out, bool out_bf16, int64_t o, const float *v, int count) {
+    for (int e = 0; e < count; e++) {
+        if (out_bf16)
+            static_cast<uint16_t *>(out)[o + e] = f32_to_bf16(v[e]);
+        else
+            static_cast<float *>(out)[o + e] = v[e];
+    }
+}
+
 // Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
-// and value is loaded once for the H heads. Per head, in this fixed order: scores s_j = q . k_j (8-lane
-// partial sums in dimension order, then hsum), m = max_j s_j, p_j = exp8(s_j - m), l = sum of p_j (8-lane
-// partial sums in key order, then hsum, then the tail in order), o = (sum_j p_j v_j, in key order) / l.
+// and value is loaded once for the H heads. Per head, in this fixed order on every ISA level: q scaled
+// (q * scale per element); each score s_j = hsum(A + B), where A and B are 8-lane FMA chains over the
+// dimensions in order, A over 16 c .. 16 c + 7 and B over 16 c + 8 .. 16 c + 15 (c = 0, 1, ...); m =
+// max_j s_j; softmax_inplace; o = (sum_j p_j v_j, per dimension in key order) * (1 / l). The AVX-512
+// variant holds A and B in one register's halves (the same operations lane for lane).
 template <int H>
-inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                         const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
-                         float scale, void *out, bool out_bf16, float *scores /* [H, n] */) {
+inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
+                            const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                            float scale, void *out, bool out_bf16, float *scores /* [H, n] */) {
     const int64_t nv = hd / 8;
     __m256 qv[H][64];  // hd / 8 <= 64
     for (int h = 0; h < H; h++)
@@ -51,41 +86,24 @@ inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int6
     for (int h = 0; h < H; h++) m[h] = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         const int64_t base = (sl[j] * nkv + g) * hd;
-        __m256 s[H];
-        for (int h = 0; h < H; h++) s[h] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nv; i++) {
+        __m256 a[H], b[H];
+        for (int h = 0; h < H; h++) a[h] = b[h] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nv; i += 2) {
             const __m256 k = load8(kc, kv_bf16, base + 8 * i);
-            for (int h = 0; h < H; h++) s[h] = _mm256_fmadd_ps(qv[h][i], k, s[h]);
+            for (int h = 0; h < H; h++) a[h] = _mm256_fmadd_ps(qv[h][i], k, a[h]);
+            if (i + 1 < nv) {
+                const __m256 k1 = load8(kc, kv_bf16, base + 8 * i + 8);
+                for (int h = 0; h < H; h++) b[h] = _mm256_fmadd_ps(qv[h][i + 1], k1, b[h]);
+            }
         }
         for (int h = 0; h < H; h++) {
-            const float x = hsum(s[h]);
+            const float x = hsum(_mm256_add_ps(a[h], b[h]));
             scores[h * n + j] = x;
             m[h] = x > m[h] ? x : m[h];
         }
     }
     float inv[H];
-    for (int h = 0; h < H; h++) {
-        float *sc = scores + h * n;
-        const __m256 mv = _mm256_set1_ps(m[h]);
-        __m256 l8 = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-            _mm256_storeu_ps(sc + j, p);
-            l8 = _mm256_add_ps(l8, p);
-        }
-        float l = hsum(l8);
-        if (j < n) {
-            alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t e = j; e < n; e++) t[e - j] = sc[e];
-            _mm256_store_ps(t, exp8(_mm256_sub_ps(_mm256_load_ps(t), mv)));
-            for (int64_t e = j; e < n; e++) {
-                sc[e] = t[e - j];
-                l += t[e - j];
-            }
-        }
-        inv[h] = 1.0f / l;
-    }
+    for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     __m256 acc[H][64];
     for (int h = 0; h < H; h++)
         for (int64_t i = 0; i < nv; i++) acc[h][i] = _mm256_setzero_ps();
@@ -100,18 +118,86 @@ inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int6
     }
     for (int h = 0; h < H; h++) {
         const __m256 iv = _mm256_set1_ps(inv[h]);
-        const int64_t o = (r * nh + h0 + h) * hd;
         for (int64_t i = 0; i < nv; i++) {
             alignas(32) float v[8];
             _mm256_store_ps(v, _mm256_mul_ps(acc[h][i], iv));
-            for (int e = 0; e < 8; e++) {
-                if (out_bf16)
-                    static_cast<uint16_t *>(out)[o + 8 * i + e] = f32_to_bf16(v[e]);
-                else
-                    static_cast<float *>(out)[o + 8 * i + e] = v[e];
-            }
+            store_out(out, out_bf16, (r * nh + h0 + h) * hd + 8 * i, v, 8);
         }
     }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const void *p, bool bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p) + i))),
+            16));
+    return _mm512_loadu_ps(static_cast<const float *>(p) + i);
+}
+
+// attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16 when known (0: hd / 16)
+template <int H, int NC>
+inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
+                            const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                            float scale, void *out, bool out_bf16, float *scores) {
+    const int64_t nc = NC ? NC : hd / 16;
+    constexpr int CAP = NC ? NC : 32;  // hd <= 512
+    __m512 qz[H][CAP];
+    for (int h = 0; h < H; h++)
+        for (int64_t c = 0; c < nc; c++)
+            qz[h][c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
+    float m[H];
+    for (int h = 0; h < H; h++) m[h] = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t base = (sl[j] * nkv + g) * hd;
+        __m512 s[H];
+        for (int h = 0; h < H; h++) s[h] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nc; c++) {
+            const __m512 k = load16(kc, kv_bf16, base + 16 * c);
+            for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(qz[h][c], k, s[h]);
+        }
+        for (int h = 0; h < H; h++) {
+            const float x = hsum(_mm256_add_ps(_mm512_castps512_ps256(s[h]),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[h]), 1))));
+            scores[h * n + j] = x;
+            m[h] = x > m[h] ? x : m[h];
+        }
+    }
+    float inv[H];
+    for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
+    __m512 acc[H][CAP];
+    for (int h = 0; h < H; h++)
+        for (int64_t c = 0; c < nc; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t base = (sl[j] * nkv + g) * hd;
+        __m512 pv[H];
+        for (int h = 0; h < H; h++) pv[h] = _mm512_set1_ps(scores[h * n + j]);
+        for (int64_t c = 0; c < nc; c++) {
+            const __m512 v = load16(vc, kv_bf16, base + 16 * c);
+            for (int h = 0; h < H; h++) acc[h][c] = _mm512_fmadd_ps(pv[h], v, acc[h][c]);
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const __m512 iv = _mm512_set1_ps(inv[h]);
+        for (int64_t c = 0; c < nc; c++) {
+            alignas(64) float v[16];
+            _mm512_store_ps(v, _mm512_mul_ps(acc[h][c], iv));
+            store_out(out, out_bf16, (r * nh + h0 + h) * hd + 16 * c, v, 16);
+        }
+    }
+}
+#endif
+
+template <int H>
+inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
+                         const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                         float scale, void *out, bool out_bf16, float *scores) {
+#if defined(__AVX512F__)
+    if (hd == 64) return attend_heads512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd == 128) return attend_heads512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd % 16 == 0) return attend_heads512<H, 0>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
+#endif
+    attend_heads256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
 }
 
 // Query heads g * rep .. (g + 1) * rep - 1 of row r (q [R, nh, hd]) over the first n of slots sl,
