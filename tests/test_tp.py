@@ -86,6 +86,12 @@ class _ThreadGroup:
     def gather_vocab(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return torch.cat(self._exchange(t), dim=-1)
 
+    def shared_exchange(self) -> None:
+        return None
+
+    def failed(self, what: str) -> Exception:
+        return RuntimeError(what)
+
 
 def _threaded_logits(folder: Path, size: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits of a prefill and of one decode step after it, the model split over `size` threads."""
@@ -225,3 +231,47 @@ def test_numbers_that_do_not_split_are_refused_before_anything_starts(tiny_check
         LLM(folder, dtype="float32", device="cpu", tensor_parallel_size=2 * cores, nnodes=1)
     with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
         LLM(folder, tensor_parallel_size=2, nnodes=2)
+
+
+@TWO_CORES
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_two_ranks_fused_stack_speculative_equals_plain(tmp_path, monkeypatch, shared_memory) -> None:
+    """bfloat16 int4: every rank's fused stack, summing in shared memory (one call per forward) or through
+    gloo between half-layers (AUGURY_TP_SHM=0); verified trees give plain decoding's tokens either way."""
+    from augury.cpu import kernels as cpu_kernels
+    from augury.models import fused
+    from speculative_helpers import make_target, random_head
+
+    if cpu_kernels.forward() is None:
+        pytest.skip("augury's fused-stack kernel does not run here")
+    monkeypatch.setenv("AUGURY_TP_SHM", shared_memory)
+    runs = {"fused": 0}
+    real = fused.FusedStack.run
+
+    def run(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        runs["fused"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused.FusedStack, "run", run)
+    target, head = make_target(tmp_path / "target"), random_head(tmp_path / "head")
+    llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, dtype="bfloat16",
+              quantization="int4", device="cpu", log_stats_interval=0.0, tensor_parallel_size=2)
+    try:
+        group = llm.engine.model.group
+        assert (group.shared_exchange() is not None) == (shared_memory == "1")
+        prompts = random_prompts([6, 9, 4], seed=5)
+        lengths = (20, 13, 26)
+        plain = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                      max_draft_tokens=0) for n in lengths], use_tqdm=False)
+        before, sums = runs["fused"], group.calls["all_reduce"]
+        spec = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                      for n in lengths], use_tqdm=False)
+        assert runs["fused"] - before >= 10 and sum(o.spec_stats.num_verify_steps for o in spec) > 0
+        # per fused forward: the embedding's sum, plus 2 per layer through gloo without shared memory
+        per_forward = (group.calls["all_reduce"] - sums) / (runs["fused"] - before)
+        assert per_forward < 2 if shared_memory == "1" else per_forward >= 2 * 6
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    finally:
+        _close(llm)

@@ -27,6 +27,8 @@ CPU_KERNELS_VAR = "AUGURY_CPU_KERNELS"
 # An ISA level for augury's CPU kernels at or below the CPU's own (augury/cpu/isa.py: avx2, avx_vnni,
 # avx512_vnni, avx512_bf16): for comparisons and tests.
 CPU_ISA_VAR = "AUGURY_CPU_ISA"
+# "0": tensor-parallel ranks on one machine sum through gloo, not their shared-memory exchange.
+TP_SHM_VAR = "AUGURY_TP_SHM"
 ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -373,6 +375,12 @@ def cache_root() -> Path:
 def cpu_kernels_enabled() -> bool:
     """False when AUGURY_CPU_KERNELS is "0" (or "false", "off", "no")."""
     return os.environ.get(CPU_KERNELS_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def tp_shared_memory_enabled() -> bool:
+    """False when AUGURY_TP_SHM is "0" (or "false", "off", "no"): tensor-parallel ranks on one machine
+    then sum through gloo instead of their shared-memory exchange (for comparisons)."""
+    return os.environ.get(TP_SHM_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def cpu_isa_override() -> str | None:

@@ -20,9 +20,12 @@ naming the rank the watchdog found dead or silent (distributed/watchdog.py), whe
 """
 from __future__ import annotations
 
+import mmap
+import os
 import pickle
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,8 @@ import torch.distributed as dist
 
 COMMAND_BYTES = 8192  # one broadcast carries a command up to this size (a decode step's is ~1 KB)
 IDLE_TIMEOUT = timedelta(days=3650)  # ranks wait for the next command as long as the engine idles
+EXCHANGE_ROWS = 1024  # rows (tokens) one shared-memory exchange carries; larger steps sum through gloo
+EXCHANGE_HEADER = 4096  # forward.cpp's Exchange::HEADER: one 64-byte counter line per rank
 
 
 class Group:
@@ -41,6 +46,8 @@ class Group:
         self.compute, self.command = compute, command
         self.watchdog = None  # set by whoever starts one (launch.py): names a failed rank
         self.failure: str | None = None  # the first failure seen, once there is one
+        self.exchange = None  # models.llama.SharedExchange where every rank is on this machine (map_exchange)
+        self._mapping: mmap.mmap | None = None
         # seconds and calls per kind of collective (the benchmark's "all-reduce time per step")
         self.seconds = {"all_reduce": 0.0, "command": 0.0, "logits": 0.0}
         self.calls = {"all_reduce": 0, "command": 0, "logits": 0}
@@ -82,6 +89,44 @@ class Group:
         if parts is None:
             return None
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+    def shared_exchange(self):
+        return self.exchange
+
+    def failed(self, what: str) -> Exception:
+        return RuntimeError(self.explain(what, RuntimeError("a rank did not arrive within the timeout")))
+
+    # ------------------------------------------------------------------ shared memory (one machine)
+    @staticmethod
+    def exchange_bytes(size: int, hidden: int) -> tuple[int, int]:
+        """(floats per slot, bytes of the mapping) for `size` ranks and a hidden size."""
+        cap = EXCHANGE_ROWS * hidden
+        return cap, EXCHANGE_HEADER + 2 * size * cap * 4
+
+    @staticmethod
+    def create_exchange(path: Path, size: int, hidden: int) -> None:
+        """Rank 0: the zeroed file every rank of this machine maps (under /dev/shm: memory, not disk)."""
+        _, nbytes = Group.exchange_bytes(size, hidden)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def map_exchange(self, path: Path, hidden: int, timeout: float) -> None:
+        """Map the exchange file (every rank, before rank 0 removes its name)."""
+        from augury.models.llama import SharedExchange
+
+        cap, nbytes = Group.exchange_bytes(self.size, hidden)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        view = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._view = view  # keeps the buffer exported (its address is what the kernel gets)
+        self.exchange = SharedExchange(view.data_ptr(), self.rank, self.size, cap, torch.zeros(1, dtype=torch.int64),
+                                       int(timeout * 1000))
 
     # ------------------------------------------------------------------ rank 0 -> every rank
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class ModelSpec:
     quantization: str
     device_type: str
     timeout: float
+    exchange: str | None = None  # the shared-memory exchange's file, where every rank is on this machine
 
 
 def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
@@ -106,17 +107,27 @@ class Ranks:
         """Start (or join) the ranks. On a rank other than 0 (another machine, or torchrun's) this runs
         that rank until rank 0 stops it, then raises SystemExit."""
         global _active
-        spec = ModelSpec(str(dtype).removeprefix("torch."), max_len, quantization, device.type, config.dist_timeout)
         if topo.rank != 0:
             from augury.distributed.worker import run_node
 
             raise SystemExit(run_node(topo, folder))
         import torch.distributed as dist
 
+        from augury.config import tp_shared_memory_enabled
+        from augury.models.config import TargetConfig
+        from augury.models.llama import plan_shards
+
+        tcfg = TargetConfig.from_folder(folder)
         store = dist.TCPStore(topo.host, topo.port, None, topo.hosts_store, wait_for_workers=False,
-                              timeout=timedelta(seconds=_start_timeout(spec.timeout, topo.nnodes)))
+                              timeout=timedelta(seconds=_start_timeout(config.dist_timeout, topo.nnodes)))
         if topo.hosts_store:
             topo = _with_port(topo, store.port)
+        exchange = None
+        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and Path("/dev/shm").is_dir():
+            exchange = Path(f"/dev/shm/augury-tp-{os.getpid()}-{topo.port}")
+            Group.create_exchange(exchange, topo.size, tcfg.hidden_size)
+        spec = ModelSpec(str(dtype).removeprefix("torch."), max_len, quantization, device.type, config.dist_timeout,
+                         None if exchange is None else str(exchange))
         store.set(SPEC_KEY, json.dumps(asdict(spec)))
         ranks = Ranks(topo, store, spec, {})
         _active = ranks
@@ -130,24 +141,29 @@ class Ranks:
                                       ranks.children, ranks._failed)
             ranks.group.watchdog = ranks.watchdog
             ranks.watchdog.start()
-            from augury.models.llama import plan_shards
-            from augury.models.config import TargetConfig
-
-            ranks.shard = plan_shards(TargetConfig.from_folder(folder), topo.size)[0]
+            if exchange is not None:
+                ranks.group.map_exchange(exchange, tcfg.hidden_size, spec.timeout)
+            ranks.shard = plan_shards(tcfg, topo.size)[0]
         except BaseException:
             ranks.close()
             raise
-        log.info("tensor parallelism: %d ranks (%s), %d on this machine, %d threads each, store %s:%d",
-                 topo.size, ranks.group.backend, topo.per_node, topo.threads_of(0), topo.host, topo.port)
+        log.info("tensor parallelism: %d ranks (%s%s), %d on this machine, %d threads each, store %s:%d",
+                 topo.size, ranks.group.backend, " + shared-memory exchange" if exchange is not None else "",
+                 topo.per_node, topo.threads_of(0), topo.host, topo.port)
         return ranks
 
     def wait_loaded(self) -> None:
         """Every other rank has loaded its shard, or a RuntimeError names the first that failed."""
         self._wait("load", [STATUS.format(r) for r in range(1, self.topo.size)])
+        self._unlink_exchange()  # every rank has mapped it (or failed): its name is no longer needed
         for r in range(1, self.topo.size):
             verdict = self.store.get(STATUS.format(r)).decode()
             if verdict != "ok":
                 raise RuntimeError(f"tensor-parallel rank {r} failed to load its shard: {verdict.removeprefix('error: ')}")
+
+    def _unlink_exchange(self) -> None:
+        if self.spec.exchange is not None:
+            Path(self.spec.exchange).unlink(missing_ok=True)
 
     def _wait(self, what: str, keys: list[str]) -> None:
         deadline = time.monotonic() + _start_timeout(self.spec.timeout, self.topo.nnodes)
@@ -219,6 +235,7 @@ class Ranks:
                 except subprocess.TimeoutExpired:
                     pass
         self._kill_children()
+        self._unlink_exchange()
         if self.group is not None:
             self.group.destroy()
         topology.pin(tuple(self._affinity))

@@ -23,6 +23,8 @@ the layout and dtype their kernel reads, so a floating conversion leaves those t
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from augury.cpu import kernels as cpu_kernels
@@ -112,12 +114,39 @@ def _linear_fields(lin) -> list[int] | None:
     return fields() if callable(fields) else None
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+_tp_entries: dict[str, object] = {}
+
+
+def _tp_entry(kernel: cpu_kernels.Forward):
+    """forward.cpp's tensor-parallel entry (augury_forward_tp) in the library `kernel` loaded, or None."""
+    key = str(kernel.path)
+    if key not in _tp_entries:
+        try:
+            fn = getattr(ctypes.CDLL(key), "augury_forward_tp")
+            fn.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P, _P, _I64, _P, _P, _P,
+                           _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64]
+            fn.restype = _I32
+        except (OSError, AttributeError):
+            fn = None
+        _tp_entries[key] = fn
+    return _tp_entries[key]
+
+
 class FusedStack:
-    """A TargetModel's layer stack as the fused kernel's pointer table (built once; holds the model)."""
+    """A TargetModel's layer stack as the fused kernel's pointer table (built once; holds the model).
+
+    Under tensor parallelism (`model.tp`) a rank's table holds its own heads and MLP columns, and the
+    row-parallel biases (added after the sum over ranks); `run` then takes forward.cpp's tensor-parallel
+    entry: where the ranks share one machine, the whole stack in one call summing through shared
+    memory (`Collectives.shared_exchange`); elsewhere one call per half-layer with the group's
+    all-reduce between them."""
 
     def __init__(self, model, kernel: cpu_kernels.Forward, table: torch.Tensor, held: list[torch.Tensor]) -> None:
         cfg = model.cfg
         self.model, self.kernel, self.table = model, kernel, table
+        self.tp = getattr(model, "tp", None)  # the rank's group under tensor parallelism
+        self.tp_fn = _tp_entry(kernel) if self.tp is not None else None
         self.epoch = epoch()  # stale once the counter moves on (see Watched)
         self.held = held  # the tensors whose addresses the table holds, kept alive with it
         self.h, self.nh, self.nkv, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -133,10 +162,15 @@ class FusedStack:
         if any(x % 32 for x in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)) \
                 or cfg.head_dim % 8 or cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
             return None
+        sharded = getattr(model, "tp", None) is not None
         rows, held = [], []
         for layer in model.layers:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None
+            # a rank's row-parallel biases live beside its projections (added once, after the sum)
+            after_sum = (layer.self_attn.o_bias, layer.mlp.down_bias) if sharded else (None, None)
+            if any(b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()) for b in after_sum):
                 return None
             fields = [norms[0].data_ptr()]
             for i, lin in enumerate((layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -144,6 +178,9 @@ class FusedStack:
                 f = _linear_fields(lin)
                 if f is None:
                     return None
+                if i in (1, 3) and after_sum[i // 2] is not None:
+                    f = [*f[:3], after_sum[i // 2].data_ptr()]
+                    held.append(after_sum[i // 2])
                 fields += f
                 if i == 1:
                     fields.append(norms[1].data_ptr())
@@ -153,7 +190,7 @@ class FusedStack:
         if model.norm.weight.dtype != torch.bfloat16:
             return None
         kernel = cpu_kernels.forward()
-        if kernel is None or kernel.nfields != FIELDS:
+        if kernel is None or kernel.nfields != FIELDS or sharded and _tp_entry(kernel) is None:
             return None
         held += [lin.bias for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -176,12 +213,36 @@ class FusedStack:
         aux = torch.tensor(aux_layers, dtype=torch.int32)
         aux_out = torch.empty(b, q, len(aux_layers) * hid, dtype=torch.bfloat16) if aux_layers else None
         out = torch.empty(b, q, hid, dtype=torch.bfloat16)
-        rc = self.kernel.run(h.data_ptr(), b * q, hid, self.nh, self.nkv, self.hd, self.inter, self.layers, self.eps,
-                             self.table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
-                             slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
-                             cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out),
-                             self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        args = (h.data_ptr(), b * q, hid, self.nh, self.nkv, self.hd, self.inter, self.layers, self.eps,
+                self.table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
+                slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
+                cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out),
+                self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if self.tp is None:
+            rc = self.kernel.run(*args)
+        else:
+            rc = self._run_sharded(args, b * q * hid)
         if rc:
             raise RuntimeError(f"the fused forward kernel failed (code {rc}: "
                                f"{'bad shapes or key counts' if rc == 1 else 'out of memory'})")
         return out, aux_out
+
+    def _run_sharded(self, args: tuple, n: int) -> int:
+        """One rank's stack: in one call through the shared-memory exchange where it carries n floats,
+        else a call per half-layer (2L + 1 in all) with the group's all-reduce of each partial between."""
+        steps = 2 * self.layers + 1
+        ex = self.tp.shared_exchange()
+        if ex is not None and n <= ex.cap:
+            rc = self.tp_fn(*args, None, 0, steps, ex.address, ex.rank, ex.size, ex.cap, ex.counter.data_ptr(),
+                            ex.timeout_ms)
+            if rc == 3:
+                raise self.tp.failed("shared-memory exchange")
+            return rc
+        part = torch.empty(n, dtype=torch.float32)
+        for s in range(steps):
+            rc = self.tp_fn(*args, part.data_ptr(), s, s + 1, None, 0, 1, 0, None, 0)
+            if rc:
+                return rc
+            if s < steps - 1:
+                self.tp.all_reduce_(part)
+        return 0

@@ -37,6 +37,27 @@ class Collectives(Protocol):
         order, on rank 0 (None where a rank does not need them)."""
         ...
 
+    def shared_exchange(self) -> SharedExchange | None:
+        """The ranks' shared-memory exchange where they all run on one machine (the fused stack sums
+        its partials there without returning to Python), else None."""
+        ...
+
+    def failed(self, what: str) -> Exception:
+        """The error to raise when `what` failed: it names the rank found dead or silent, if any."""
+        ...
+
+
+@dataclass(frozen=True)
+class SharedExchange:
+    """Where the ranks of one machine meet in shared memory (models/fused.py, cpu/csrc/forward.cpp)."""
+
+    address: int  # the mapping's first byte, in this process
+    rank: int
+    size: int
+    cap: int  # floats per rank's slot: the most rows x hidden size one exchange carries
+    counter: torch.Tensor  # int64 [1]: this rank's exchanges so far
+    timeout_ms: int
+
 
 @dataclass(frozen=True)
 class Shard:

@@ -14,6 +14,20 @@
 // Per layer: h [T, H] float32 -> RMSNorm -> q|k|v -> rotary (q to scratch, k to the cache) and v to
 // the cache -> attention over each row's own slots -> o_proj, added to h -> RMSNorm -> gate|up ->
 // silu(gate) * up -> down, added to h; the chosen layers' h rounded into aux; the final norm at the end.
+//
+// Tensor parallelism (augury_forward_tp): a rank holds some heads and MLP columns, so o_proj and
+// down give partial sums that every rank must add up before the residual stream takes them. The
+// stack is then a sequence of 2L + 1 steps (layer l's attention half is step 2l, its MLP half 2l + 1,
+// the final norm 2L); a step ends at its projection's float32 partial sum, and the next step starts by
+// adding the sum over ranks, rounded as one projection's output (+ its bias once), to h. Two ways
+// to sum: Python's collective between calls of one step each (gloo, any machines), or, for ranks on
+// one machine, a shared-memory exchange inside this one call (the whole stack, as without tensor
+// parallelism: no return to Python, no thread wake-up): each rank writes its partial into its slot,
+// publishes a counter, waits (bounded spin, then yield; a peer silent for timeout_ms fails the call)
+// for every other rank's, and every rank adds the slots in rank order (the same bits everywhere).
+#include <sched.h>
+
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -63,74 +77,125 @@ inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Round
 
 extern "C" int augury_forward_nfields() { return NFIELD; }
 
-// h [T, H] float32, updated in place; layers [L, NFIELD] addresses; caches [L, S, nkv, hd] bfloat16
-// (layer l at k_cache + l * layer_stride elements); slot_mapping [T]: where row t's key and value go;
-// slots [T, W] / nkeys [T]: the cache slots row t attends to (the first nkeys[t]); cos / sin [T, hd]
-// bfloat16 (a slot outside the cache is refused: return 1); aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H];
-// out [T, H] bfloat16: the final norm of h. Returns 0, 1 for bad shapes, 2 when out of memory.
-extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh, int64_t nkv, int64_t hd,
-                                     int64_t I, int64_t L, float eps, const int64_t *layers, uint16_t *k_cache,
-                                     uint16_t *v_cache, int64_t layer_stride, const int64_t *slot_mapping,
-                                     const int64_t *slots, const int32_t *nkeys, int64_t W, const uint16_t *cos,
-                                     const uint16_t *sin, const int32_t *aux, int64_t n_aux, uint16_t *aux_out,
-                                     const uint16_t *final_w, uint16_t *out, int nthreads) {
-    const int64_t NQ = nh * hd, NKV = nkv * hd, NQKV = NQ + 2 * NKV;
-    if (T < 0 || H % GROUP || NQ % GROUP || I % GROUP || hd % 8 || hd > 512 || nkv < 1 || nh % nkv || W < 1)
-        return 1;
-    const int64_t S = layer_stride / NKV;  // cache slots per layer: every slot read or written must lie inside
-    for (int64_t t = 0; t < T; t++) {
-        if (nkeys[t] < 1 || nkeys[t] > W || slot_mapping[t] < 0 || slot_mapping[t] >= S) return 1;
-        for (int64_t j = 0; j < nkeys[t]; j++)
-            if (slots[t * W + j] < 0 || slots[t * W + j] >= S) return 1;
-    }
-    const int64_t Kmax = H > I ? (H > NQ ? H : NQ) : (I > NQ ? I : NQ);
-    const int64_t Gmax = padded_groups(Kmax);
-    // scratch: one block, carved up
-    const size_t n16 = static_cast<size_t>(T) * static_cast<size_t>(H + NQKV + NQ + NQ + 2 * I + I);
-    const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) * 5 + static_cast<size_t>(T * Gmax) * 12 + 256;
-    char *mem = static_cast<char *>(std::malloc(bytes));
-    if (!mem) return 2;
-    uint16_t *xn = reinterpret_cast<uint16_t *>(mem);  // a norm's output [T, H]
-    uint16_t *qkv = xn + T * H;                        // [T, NQKV]
-    uint16_t *qr = qkv + T * NQKV;                     // rotated queries [T, NQ]
-    uint16_t *att = qr + T * NQ;                       // attention output [T, NQ]
-    uint16_t *gu = att + T * NQ;                       // [T, 2 I]
-    uint16_t *act = gu + T * 2 * I;                    // silu(gate) * up [T, I]
-    int8_t *xq = reinterpret_cast<int8_t *>(act + T * I);
-    float *dx = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(xq + T * Kmax) + 63) & ~uintptr_t(63));
-    float *xs = dx + T * Gmax;
-    int32_t *xsum = reinterpret_cast<int32_t *>(xs + T * Gmax);
-    float *xf = reinterpret_cast<float *>(xsum + T * Gmax);  // dense projections' widened rows [T, Kmax]
-    Rounded aH, aQ, aI;  // the rounded activations for K = H, nh * hd and I (one scratch, used in turn)
-    for (Rounded *a : {&aH, &aQ, &aI}) {
-        a->xq = xq;
-        a->dx = dx;
-        a->xs = xs;
-        a->xsum = xsum;
-    }
-    aH.K = H, aH.Gp = padded_groups(H);
-    aQ.K = NQ, aQ.Gp = padded_groups(NQ);
-    aI.K = I, aI.Gp = padded_groups(I);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    // the region's threads are awake already: split the (row, key-value head) tasks whenever there are two
-    const bool split_attention = T * nkv > 1;
-    if (nthreads < 1) nthreads = 1;
+namespace {
 
-#pragma omp parallel num_threads(nthreads)
-    {
-        std::vector<float> scores;
-        for (int64_t l = 0; l < L; l++) {
-            const int64_t *p = layers + l * NFIELD;
+// Shared-memory exchange between the ranks of one machine: a header of one 64-byte line per rank
+// (its arrival counter), then two buffers of `size` slots of `cap` floats (double buffering: a rank
+// writes op k + 1's partial while the others may still read op k's).
+struct Exchange {
+    char *base = nullptr;
+    int64_t rank = 0, size = 1, cap = 0, timeout_ms = 0;
+    int64_t *counter = nullptr;  // this rank's ops so far (kept by the caller between calls)
+    static constexpr int64_t HEADER = 4096;
+    int64_t *seq(int64_t r) const { return reinterpret_cast<int64_t *>(base + r * 64); }
+    float *slot(int64_t buf, int64_t r) const {
+        return reinterpret_cast<float *>(base + HEADER) + (buf * size + r) * cap;
+    }
+};
+
+// Everything one call needs: the arguments, the scratch carved from one block, the rounded activations.
+struct Stack {
+    float *h;
+    int64_t T, H, nh, nkv, hd, I, L;
+    float eps;
+    const int64_t *layers;
+    uint16_t *k_cache, *v_cache;
+    int64_t layer_stride;
+    const int64_t *slot_mapping, *slots;
+    const int32_t *nkeys;
+    int64_t W;
+    const uint16_t *cos, *sin;
+    const int32_t *aux;
+    int64_t n_aux;
+    uint16_t *aux_out;
+    const uint16_t *final_w;
+    uint16_t *out;
+    int nthreads;
+    int64_t NQ = 0, NKV = 0, NQKV = 0;
+    float scale = 0;
+    bool split_attention = false;
+    char *mem = nullptr;
+    uint16_t *xn = nullptr, *qkv = nullptr, *qr = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
+    float *xf = nullptr;
+    Rounded aH, aQ, aI;
+
+    // Checks the shapes and every slot, allocates the scratch: 0, 1 (bad shapes) or 2 (out of memory).
+    int setup() {
+        NQ = nh * hd, NKV = nkv * hd, NQKV = NQ + 2 * NKV;
+        if (T < 0 || H % GROUP || NQ % GROUP || I % GROUP || hd % 8 || hd > 512 || nkv < 1 || nh % nkv || W < 1)
+            return 1;
+        const int64_t S = layer_stride / NKV;  // cache slots per layer: every slot read or written must lie inside
+        for (int64_t t = 0; t < T; t++) {
+            if (nkeys[t] < 1 || nkeys[t] > W || slot_mapping[t] < 0 || slot_mapping[t] >= S) return 1;
+            for (int64_t j = 0; j < nkeys[t]; j++)
+                if (slots[t * W + j] < 0 || slots[t * W + j] >= S) return 1;
+        }
+        const int64_t Kmax = H > I ? (H > NQ ? H : NQ) : (I > NQ ? I : NQ);
+        const int64_t Gmax = padded_groups(Kmax);
+        // scratch: one block, carved up
+        const size_t n16 = static_cast<size_t>(T) * static_cast<size_t>(H + NQKV + NQ + NQ + 2 * I + I);
+        const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) * 5 + static_cast<size_t>(T * Gmax) * 12 + 256;
+        mem = static_cast<char *>(std::malloc(bytes));
+        if (!mem) return 2;
+        xn = reinterpret_cast<uint16_t *>(mem);  // a norm's output [T, H]
+        qkv = xn + T * H;                        // [T, NQKV]
+        qr = qkv + T * NQKV;                     // rotated queries [T, NQ]
+        att = qr + T * NQ;                       // attention output [T, NQ]
+        gu = att + T * NQ;                       // [T, 2 I]
+        act = gu + T * 2 * I;                    // silu(gate) * up [T, I]
+        int8_t *xq = reinterpret_cast<int8_t *>(act + T * I);
+        float *dx = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(xq + T * Kmax) + 63) & ~uintptr_t(63));
+        float *xs = dx + T * Gmax;
+        int32_t *xsum = reinterpret_cast<int32_t *>(xs + T * Gmax);
+        xf = reinterpret_cast<float *>(xsum + T * Gmax);  // dense projections' widened rows [T, Kmax]
+        for (Rounded *a : {&aH, &aQ, &aI}) {  // the rounded activations for K = H, nh * hd and I (used in turn)
+            a->xq = xq;
+            a->dx = dx;
+            a->xs = xs;
+            a->xsum = xsum;
+        }
+        aH.K = H, aH.Gp = padded_groups(H);
+        aQ.K = NQ, aQ.Gp = padded_groups(NQ);
+        aI.K = I, aI.Gp = padded_groups(I);
+        scale = 1.0f / std::sqrt(static_cast<float>(hd));
+        // the region's threads are awake already: split the (row, key-value head) tasks whenever there are two
+        split_attention = T * nkv > 1;
+        if (nthreads < 1) nthreads = 1;
+        return 0;
+    }
+
+    ~Stack() { std::free(mem); }
+
+    // a projection's output rounded to bfloat16 (+ its bias, rounded again), as nn.Linear's
+    static float rounded(float v, const uint16_t *bias, int64_t n) {
+        float y = bf16_to_f32(f32_to_bf16(v + 0.0f));
+        if (bias) y = bf16_to_f32(f32_to_bf16(y + bf16_to_f32(bias[n])));
+        return y;
+    }
+
+    void write_aux(int64_t l) {
+        for (int64_t a = 0; a < n_aux; a++) {
+            if (aux[a] != l) continue;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = 0; j < H; j++) aux_out[t * n_aux * H + a * H + j] = f32_to_bf16(h[t * H + j]);
+        }
+    }
+
+    // Step s by every thread of the region (2l: layer l's attention half, 2l + 1: its MLP half, 2L: the
+    // final norm). part null: each half's projection is added to h here (no tensor parallelism); else its
+    // float32 partial sum [T, H] goes to part, for the ranks' sum and `apply`.
+    void step(int64_t s, float *part, std::vector<float> &scores) {
+        if (s == 2 * L) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) augury::rmsnorm_row(h + t * H, H, final_w, true, eps, out + t * H, true);
+            return;
+        }
+        const int64_t l = s / 2;
+        const int64_t *p = layers + l * NFIELD;
+        if (s % 2 == 0) {
             uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-            // a projection's output rounded to bfloat16 (+ its bias, rounded again), as nn.Linear's
-            auto rounded = [](float v, const uint16_t *bias, int64_t n) {
-                float y = bf16_to_f32(f32_to_bf16(v + 0.0f));
-                if (bias) y = bf16_to_f32(f32_to_bf16(y + bf16_to_f32(bias[n])));
-                return y;
-            };
             const uint16_t *qkv_b = at<const uint16_t>(p, QKV_B), *o_b = at<const uint16_t>(p, O_B);
-            const uint16_t *gu_b = at<const uint16_t>(p, GU_B), *dn_b = at<const uint16_t>(p, DN_B);
-
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN1), true, eps, xn + t * H, true);
@@ -160,7 +225,13 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
                                         att, true, scores);
                 }
             }
-            project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); });
+            if (part)
+                project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; });
+            else
+                project(p, O_C, att, T, aQ, xf, H,
+                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); });
+        } else {
+            const uint16_t *gu_b = at<const uint16_t>(p, GU_B), *dn_b = at<const uint16_t>(p, DN_B);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN2), true, eps, xn + t * H, true);
@@ -170,17 +241,126 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 augury::silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, true, act + t * I);
-            project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); });
-            for (int64_t a = 0; a < n_aux; a++) {
-                if (aux[a] != l) continue;
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < T; t++)
-                    for (int64_t j = 0; j < H; j++) aux_out[t * n_aux * H + a * H + j] = f32_to_bf16(h[t * H + j]);
+            if (part) {
+                project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; });
+            } else {
+                project(p, DN_C, act, T, aI, xf, H,
+                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); });
+                write_aux(l);
             }
         }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) augury::rmsnorm_row(h + t * H, H, final_w, true, eps, out + t * H, true);
     }
-    std::free(mem);
+
+    // After step s's partial sums were added up over the ranks (`parts` of them, read in rank order,
+    // each [T, H]): h += that sum, rounded as the projection's output with its bias; the layer's aux.
+    void apply(int64_t s, const float *const *parts, int64_t nparts) {
+        const int64_t *p = layers + (s / 2) * NFIELD;
+        const uint16_t *bias = at<const uint16_t>(p, s % 2 == 0 ? O_B : DN_B);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < H; j++) {
+                float v = parts[0][t * H + j];
+                for (int64_t r = 1; r < nparts; r++) v += parts[r][t * H + j];
+                h[t * H + j] += rounded(v, bias, j);
+            }
+        if (s % 2 == 1) write_aux(s / 2);
+    }
+};
+
+// Publish this rank's partial of op k and wait for every rank's (one thread); false on a timeout.
+bool exchange(const Exchange &ex, int64_t k) {
+    __atomic_store_n(ex.seq(ex.rank), k, __ATOMIC_RELEASE);
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < ex.size; r++) {
+        for (int64_t spins = 0; __atomic_load_n(ex.seq(r), __ATOMIC_ACQUIRE) < k; spins++) {
+            if (spins < 2048) continue;  // a peer a few microseconds behind: spin
+            sched_yield();               // further behind (or descheduled): let the cores go
+            if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start >
+                                          std::chrono::milliseconds(ex.timeout_ms))
+                return false;
+        }
+    }
+    return true;
+}
+
+}  // namespace
+
+// h [T, H] float32, updated in place; layers [L, NFIELD] addresses; caches [L, S, nkv, hd] bfloat16
+// (layer l at k_cache + l * layer_stride elements); slot_mapping [T]: where row t's key and value go;
+// slots [T, W] / nkeys [T]: the cache slots row t attends to (the first nkeys[t]); cos / sin [T, hd]
+// bfloat16 (a slot outside the cache is refused: return 1); aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H];
+// out [T, H] bfloat16: the final norm of h. Returns 0, 1 for bad shapes, 2 when out of memory.
+extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh, int64_t nkv, int64_t hd,
+                                     int64_t I, int64_t L, float eps, const int64_t *layers, uint16_t *k_cache,
+                                     uint16_t *v_cache, int64_t layer_stride, const int64_t *slot_mapping,
+                                     const int64_t *slots, const int32_t *nkeys, int64_t W, const uint16_t *cos,
+                                     const uint16_t *sin, const int32_t *aux, int64_t n_aux, uint16_t *aux_out,
+                                     const uint16_t *final_w, uint16_t *out, int nthreads) {
+    Stack st{h, T, H, nh, nkv, hd, I, L, eps, layers, k_cache, v_cache, layer_stride, slot_mapping, slots, nkeys, W,
+             cos, sin, aux, n_aux, aux_out, final_w, out, nthreads};
+    if (int rc = st.setup()) return rc;
+#pragma omp parallel num_threads(st.nthreads)
+    {
+        std::vector<float> scores;
+        for (int64_t s = 0; s <= 2 * L; s++) st.step(s, nullptr, scores);
+    }
     return 0;
+}
+
+// One tensor-parallel rank's stack (the arguments as augury_forward_layers', its own heads and MLP
+// columns; the o/down biases are added once, after the sum). Steps [s0, s1) of the 2L + 1, each but
+// the last ending at a partial sum:
+// - shm null: Python sums between calls, one step each: step s0 > 0 first adds part [T, H] (step
+//   s0 - 1's partials summed over the ranks) to h, then writes its own partial to part;
+// - shm (one machine): the whole stack, s0 = 0 and s1 = 2L + 1, each partial summed through the
+//   shared-memory exchange at shm (rank, size, cap floats per slot (>= T H), counter: this rank's ops
+//   so far, updated; a peer silent for timeout_ms ends the call with 3).
+// Returns 0, 1 (bad shapes or steps), 2 (out of memory) or 3 (a rank did not arrive).
+extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int64_t nkv, int64_t hd, int64_t I,
+                                 int64_t L, float eps, const int64_t *layers, uint16_t *k_cache, uint16_t *v_cache,
+                                 int64_t layer_stride, const int64_t *slot_mapping, const int64_t *slots,
+                                 const int32_t *nkeys, int64_t W, const uint16_t *cos, const uint16_t *sin,
+                                 const int32_t *aux, int64_t n_aux, uint16_t *aux_out, const uint16_t *final_w,
+                                 uint16_t *out, int nthreads, float *part, int64_t s0, int64_t s1, char *shm,
+                                 int64_t rank, int64_t size, int64_t cap, int64_t *counter, int64_t timeout_ms) {
+    if (s0 < 0 || s1 > 2 * L + 1 || s0 >= s1) return 1;
+    Exchange ex;
+    if (shm) {
+        if (s0 != 0 || s1 != 2 * L + 1 || size < 1 || size * 64 > Exchange::HEADER || rank < 0 || rank >= size ||
+            cap < T * H || !counter)
+            return 1;
+        ex.base = shm, ex.rank = rank, ex.size = size, ex.cap = cap, ex.counter = counter, ex.timeout_ms = timeout_ms;
+    } else if (!part || s1 != s0 + 1) {
+        return 1;  // without the exchange each partial must go back to Python to be summed
+    }
+    Stack st{h, T, H, nh, nkv, hd, I, L, eps, layers, k_cache, v_cache, layer_stride, slot_mapping, slots, nkeys, W,
+             cos, sin, aux, n_aux, aux_out, final_w, out, nthreads};
+    if (int rc = st.setup()) return rc;
+    bool failed = false;
+    std::vector<const float *> parts(static_cast<size_t>(size > 0 ? size : 1));
+#pragma omp parallel num_threads(st.nthreads)
+    {
+        std::vector<float> scores;
+        if (!shm && s0 > 0) {
+            const float *mine = part;
+            st.apply(s0 - 1, &mine, 1);
+        }
+        for (int64_t s = s0; s < s1; s++) {
+            if (!shm || s == 2 * L) {
+                st.step(s, s == 2 * L ? nullptr : part, scores);
+                continue;
+            }
+            const int64_t k = *ex.counter + 1;  // read by every thread before the single below moves it
+            st.step(s, ex.slot(k & 1, rank), scores);  // ends with a barrier: this rank's partial is whole
+#pragma omp single
+            {
+                failed = !exchange(ex, k);
+                *ex.counter = k;
+                for (int64_t r = 0; r < size; r++) parts[r] = ex.slot(k & 1, r);
+            }
+            if (failed) break;  // every thread sees it after the single's barrier: all leave together
+            st.apply(s, parts.data(), size);
+        }
+    }
+    return failed ? 3 : 0;
 }
