@@ -113,7 +113,7 @@ def test_stop_sequence(client: openai.OpenAI, model: str) -> None:
     ({"prompt": ""}, "prompt"),
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"n": 0}, "n"),
-    ({"extra_body": {"presence_penalty": 1.0}}, "presence_penalty"),
+    ({"extra_body": {"presence_penalty": 3.0}}, "presence_penalty"),
     ({"extra_body": {"max_draft_tokens": -1}}, "max_draft_tokens"),
     ({"extra_body": {"max_draft_tokens": 1.5}}, "max_draft_tokens"),
 ])

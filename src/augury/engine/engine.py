@@ -131,6 +131,10 @@ class Engine:
                 self._grammar = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
             return self._grammar
 
+    def shaping_stats(self):
+        """The grammar backend's counters (structured.ShapingStats), None before the first constrained request."""
+        return self._grammar.stats if self._grammar is not None else None
+
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)

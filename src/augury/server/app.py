@@ -22,6 +22,7 @@ from augury.server.protocol import (ChatCompletionRequest, ChatCompletionRespons
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
 from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
+from augury.structured.tools import parse_tool_calls
 
 MAX_BODY_BYTES = 16 * 2**20
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -145,8 +146,8 @@ def create_app(state: ServerState) -> FastAPI:
         if job.logprobs is not None:
             tok = state.tokenizer
             lps = await state.on_tokenizer_thread(lambda: [logprobs(tok, i, o) for i, o in enumerate(outs)])
-        choices = [{"index": i, **choice(i, o), "logprobs": lps[i], "finish_reason": o.finish_reason}
-                   for i, o in enumerate(outs)]
+        choices = [{"index": i, "logprobs": lps[i], "finish_reason": o.finish_reason, **choice(i, o)}
+                   for i, o in enumerate(outs)]  # choice() may name another finish reason (tool_calls)
         return JSONResponse({"id": job.request_id, "object": obj, "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
                              "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs), outs)})
@@ -172,8 +173,19 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
         job = await chat_job(state, body)
-        return await answer(body, request, job, t0, chat_events, "chat.completion",
-                            lambda i, o: {"message": {"role": "assistant", "content": o.text}},
+
+        def message(i: int, o) -> dict[str, Any]:
+            if not job.parse_tools:
+                return {"message": {"role": "assistant", "content": o.text}}
+            content, calls = parse_tool_calls(o.text)
+            out: dict[str, Any] = {"message": {"role": "assistant", "content": content}}
+            if calls:
+                out["message"]["tool_calls"] = [c.openai() for c in calls]
+                if o.finish_reason == "stop":
+                    out["finish_reason"] = "tool_calls"
+            return out
+
+        return await answer(body, request, job, t0, chat_events, "chat.completion", message,
                             lambda tok, i, o: chat_logprobs(tok, o.token_ids, o.logprobs, job.logprobs))
 
     return app

@@ -26,13 +26,14 @@ class ServeSettings:
     max_queue_size: int
     served_model_name: str
     engine: EngineConfig
+    tool_call_parser: str | None = "hermes"  # None: tools refused
     resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
 
     def describe(self) -> dict[str, Any]:
         """For /server_info: everything except the key itself."""
         return {"host": self.host, "port": self.port, "api_key_set": self.api_key is not None,
                 "debug": self.debug, "max_queue_size": self.max_queue_size,
-                "served_model_name": self.served_model_name}
+                "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", type=int, default=DEFAULT_MAX_QUEUE_SIZE,
                    help="requests that may wait beyond --max-num-seqs running ones; more get 429")
     p.add_argument("--debug", action="store_true", help="debug logging, and tracebacks with start-up errors")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
+                   help="how tool calls are read out of chat answers: hermes (<tool_call> JSON blocks, as SmolLM2 "
+                        "and Qwen 2.5 write them; default), or none (requests with tools get a 400)")
     add_flags(p)  # every engine option, from the one table in config.py
     return p
 
@@ -74,4 +78,5 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     if not name.strip():
         raise ValueError("--served-model-name must not be empty")
     return ServeSettings(host=args.host, port=args.port, api_key=args.api_key, debug=args.debug,
-                         max_queue_size=args.max_queue_size, served_model_name=name, engine=engine)
+                         max_queue_size=args.max_queue_size, served_model_name=name, engine=engine,
+                         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser)

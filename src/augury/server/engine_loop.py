@@ -61,6 +61,9 @@ class Snapshot:
     prefix_cache_hits: int = 0  # of those, tokens served from the prefix cache
     step_errors: int = 0
     alive: bool = False
+    constrained_requests: int = 0  # requests admitted with a grammar (structured output, tool calls)
+    mask_seconds: float = 0.0  # time spent building and applying grammar masks
+    masked_tokens: int = 0  # rows (decode steps' and verified nodes') a grammar mask was built for
 
 
 @dataclass
@@ -259,7 +262,10 @@ class EngineLoop:
     def _take_snapshot(self, alive: bool) -> Snapshot:
         engine, stats = self.engine, self.engine.stats
         alloc = engine.allocator
-        return Snapshot(
+        shaping = engine.shaping_stats()
+        masks = {} if shaping is None else {"constrained_requests": shaping.constrained_requests,
+                                            "mask_seconds": shaping.mask_seconds, "masked_tokens": shaping.masked_tokens}
+        return Snapshot(**masks,
             running=engine.num_running, waiting=engine.num_waiting, in_flight=len(self._members),
             kv_usage=alloc.usage, kv_free_blocks=alloc.num_free, kv_usable_blocks=alloc.num_usable,
             generation_tokens_total=stats.generation_tokens_total, accept_length=stats.accept_length,

@@ -111,7 +111,9 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
     state = ServerState(loop=loop, metrics=metrics, model_name=settings.served_model_name,
                         max_model_len=engine.max_model_len, vocab_size=engine.model_cfg.vocab_size,
                         tokenizer=tokenizer, executor=ThreadPoolExecutor(1, thread_name_prefix="augury-tokenizer"),
-                        info=info, api_key=settings.api_key)
+                        info=info, api_key=settings.api_key,
+                        grammar=engine.grammar if engine.tokenizer is not None else None,
+                        tool_call_parser=settings.tool_call_parser)
     config = uvicorn.Config(create_app(state), log_level="debug" if settings.debug else "warning",
                             access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,
                             server_header=False)

@@ -78,6 +78,11 @@ class _EngineCollector(Collector):
             ("augury:prefix_cache_hits", "Of those, tokens served from the prefix cache.", s.prefix_cache_hits),
             ("augury:engine_step_errors", "Engine steps that raised (requests in flight were failed).",
              s.step_errors),
+            ("augury:constrained_requests", "Requests admitted with a grammar (structured output, tool calls).",
+             s.constrained_requests),
+            ("augury:grammar_mask_seconds", "Time spent building and applying grammar masks.", s.mask_seconds),
+            ("augury:grammar_masked_tokens", "Token choices (decode rows and verified tree nodes) made under a "
+             "grammar mask; mask seconds over masked tokens is the mask time per token.", s.masked_tokens),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self._model], value)

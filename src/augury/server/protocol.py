@@ -40,6 +40,15 @@ class SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM): 1 = off
+    min_p: float | None = None  # extension (vLLM): 0 = off
+    bad_words: list[str] | None = None  # extension (vLLM)
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, ...
+    guided_json: Any = None  # extension (older vLLM names of structured_outputs' fields)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     logprobs: Any = None  # completions: an int k (0..20); chat: a bool
     user: str | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
@@ -63,6 +72,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -70,7 +81,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     top_logprobs: StrictInt | None = None  # 0..20, with logprobs: true
 
 
@@ -110,9 +121,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -134,6 +157,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id?, type?, function: {name?, arguments}}
 
 
 class ChatChunkChoice(BaseModel):

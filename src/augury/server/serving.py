@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from augury.sampling_params import MAX_LOGPROBS, SamplingParams
+from augury.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
 from augury.server.errors import APIError, bad_request
 from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from augury.structured import tools as tool_calls
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -35,6 +37,8 @@ class ServerState:
     info: ServerInfo
     api_key: str | None
     ready: bool = False
+    grammar: Any = None  # () -> structured.GrammarBackend (thread-safe), to compile constraints before admission
+    tool_call_parser: str | None = "hermes"  # how tool calls are read out of answers; None: tools are refused
 
     async def on_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -53,6 +57,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     prompt_texts: list[str] | None = None
+    parse_tools: bool = False  # chat with tools: answers are parsed for tool calls
 
     @property
     def prompt_tokens(self) -> int:
@@ -70,15 +75,10 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def _reject_unsupported(req: SamplingFields, extra: dict[str, Any]) -> None:
-    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
-    for name, ok in neutral.items():
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         value = getattr(req, name)
         if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number", name)
-        if value not in ok:
-            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
     for name, (value, ok) in extra.items():
         if value not in ok:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -91,9 +91,59 @@ def _top_k(value: Any, name: str) -> int:
     return value
 
 
+def _structured(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the parameter it came from: response_format (OpenAI),
+    structured_outputs (vLLM) or guided_json / guided_regex / guided_choice / guided_grammar (vLLM's
+    older names); at most one of them."""
+    given = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            given.append(({"json_object": True}, "response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            given.append(({"json": schema}, "response_format"))
+        elif kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                              "response_format", "unsupported_parameter")
+    if req.structured_outputs is not None:
+        given.append((dict(req.structured_outputs), "structured_outputs"))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            given.append(({name: value}, f"guided_{name}"))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not {' and '.join(p for _, p in given)}", given[1][1])
+    fields, param = given[0]
+    try:
+        return StructuredOutputsParams(**fields), param
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"{param}: {e}", param) from None
+
+
+async def _compile(state: ServerState, so: StructuredOutputsParams | None, param: str | None) -> None:
+    """Compile the constraint now (cached for the engine), so a bad one is a 400 naming it."""
+    if so is None:
+        return
+    if state.grammar is None:
+        raise bad_request("structured output needs a tokenizer, and this model has none", param)
+    try:
+        await state.on_tokenizer_thread(lambda: state.grammar().compile(so))
+    except ValueError as e:
+        message = str(e) if param == "structured_outputs" else str(e).replace("structured_outputs.", f"{param}: ", 1)
+        raise bad_request(message, param) from None
+
+
 def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
               default_max: int | None, choice: int, logprobs: int | None = None,
-              prompt_logprobs: int | None = None) -> SamplingParams:
+              prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     room = state.max_model_len - prompt_len
     if room < 1:
         raise bad_request(f"the prompt has {prompt_len} tokens; this model's context is {state.max_model_len} "
@@ -122,11 +172,24 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
     stop_ids = req.stop_token_ids or []
     if any(not 0 <= t < state.vocab_size for t in stop_ids):
         raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
-    try:  # SamplingParams validates temperature, top_p, ... (once, for every entry point)
+    bias = req.logit_bias or None
+    if bias is not None:
+        bad = [k for k in bias if not k.strip().isdigit() or int(k) >= state.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {state.vocab_size}), got {bad[0]!r}",
+                              "logit_bias")
+    if req.bad_words and state.tokenizer is None:
+        raise bad_request("bad_words needs a tokenizer, and this model has none", "bad_words")
+    try:  # SamplingParams validates temperature, top_p, penalties, ... (once, for every entry point)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
                               seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
                               max_draft_tokens=req.max_draft_tokens, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              min_p=req.min_p or 0.0, logit_bias=bias, bad_words=req.bad_words or None,
+                              structured_outputs=structured)
     except ValueError as e:  # its messages open with the field's name, which is the request's parameter
         message = str(e)
         param = message.split(" ", 1)[0]
@@ -185,33 +248,75 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
             texts = await state.on_tokenizer_thread(lambda: [tok.decode(ids) for ids in prompts])
         else:
             texts = [""] * len(prompts)
-    params = [_sampling(req, req.max_tokens, len(ids), state, 16, c, k, k if echo else None)
+    so, param = _structured(req)
+    await _compile(state, so, param)
+    params = [_sampling(req, req.max_tokens, len(ids), state, 16, c, k, k if echo else None, so)
               for ids in prompts for c in range(n)]
     return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n, k, echo, texts)
 
 
-def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise bad_request("only text content parts are supported", where, "unsupported_parameter")
+        return "".join(part.text or "" for part in content)
+    return content or ""
+
+
+def _message_dicts(req: ChatCompletionRequest, native_tools: bool) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them. An assistant turn's tool_calls and a tool turn's
+    answer go to a template that knows tools as they are (arguments as objects, as Hugging Face
+    templates expect); for one that does not, they become hermes text: the calls as <tool_call>
+    blocks in the assistant's content, the answer inside <tool_response> tags."""
     out = []
     for i, m in enumerate(req.messages):  # roles are checked by the request model
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise bad_request("only text content parts are supported", f"messages.{i}.content",
-                                  "unsupported_parameter")
-            content = "".join(part.text or "" for part in content)
-        out.append({"role": m.role, "content": content or ""})
+        d: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
+        if m.role == "assistant" and m.tool_calls:
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                try:
+                    name, args = fn["name"], fn.get("arguments") or "{}"
+                    parsed = json.loads(args) if isinstance(args, str) else args
+                    if not isinstance(name, str) or not isinstance(parsed, dict):
+                        raise TypeError
+                except (TypeError, KeyError, ValueError):
+                    raise bad_request("a tool call needs function.name and function.arguments (a JSON object)",
+                                      f"messages.{i}.tool_calls.{j}") from None
+                calls.append({"id": call.get("id"), "type": "function",
+                              "function": {"name": name, "arguments": parsed}})
+            if native_tools:
+                d["tool_calls"] = calls
+            else:
+                text = "\n".join(tool_calls.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+                                 for c in calls)
+                d["content"] = f"{d['content']}\n{text}" if d["content"] else text
+        if m.role == "tool":
+            if native_tools:
+                d["tool_call_id"] = m.tool_call_id
+            else:
+                d["content"] = f"<tool_response>\n{d['content']}\n</tool_response>"
+        out.append(d)
     return out
 
 
-def _render_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render_chat(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    kw = {"tools": tools} if tools else {}
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
     return tok.encode(text, add_special_tokens=False)  # the template holds the special tokens
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that takes no tools: describe them in the system message (hermes format)."""
+    prompt = tool_calls.tools_prompt(tools)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     check_model(state, req.model)
-    fmt = (req.response_format or {}).get("type", "text")
-    _reject_unsupported(req, {"tools": (req.tools or None, (None,)), "response_format": (fmt, ("text",))})
+    _reject_unsupported(req, {})
     if req.logprobs is not None and not isinstance(req.logprobs, bool):
         raise bad_request(f"logprobs must be true or false, got {req.logprobs!r}", "logprobs")
     top = None if req.top_logprobs is None else _top_k(req.top_logprobs, "top_logprobs")
@@ -219,18 +324,47 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     k = (top or 0) if req.logprobs else None
     tok = _need_tokenizer(state)
-    if not getattr(tok, "chat_template", None):
+    template = getattr(tok, "chat_template", None)
+    if not template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = _message_dicts(req)
+    tools = None
+    if req.tools:
+        try:
+            tools = tool_calls.check_tools(req.tools)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
     try:
-        ids = await state.on_tokenizer_thread(_render_chat, tok, messages)
+        choice = tool_calls.check_tool_choice(req.tool_choice, tools)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
+    if choice != "none" and state.tool_call_parser is None:
+        raise bad_request("tool calling is off on this server (--tool-call-parser none)", "tools",
+                          "unsupported_parameter")
+    so, param = _structured(req)
+    if choice == "required" or isinstance(choice, dict):
+        if so is not None:
+            raise bad_request(f"{param} cannot be combined with tool_choice {'required' if choice == 'required' else 'naming a function'}",
+                              param)
+        try:
+            grammar = tool_calls.tool_grammar(tools, choice, req.parallel_tool_calls is not False)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+        so, param = StructuredOutputsParams(structural_tag=grammar), "tools"
+    await _compile(state, so, param)
+    native = isinstance(template, str) and "tools" in template
+    messages = _message_dicts(req, native)
+    described = tools if choice != "none" else None
+    if described and not native:
+        messages, described = _with_tools_prompt(messages, described), None
+    try:
+        ids = await state.on_tokenizer_thread(_render_chat, tok, messages, described)
     except Exception as e:  # a template that raises on these messages (e.g. role order it forbids)
         raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
     _check_ids(ids, state)
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = [_sampling(req, max_tokens, len(ids), state, None, c, k) for c in range(n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k)
+    params = [_sampling(req, max_tokens, len(ids), state, None, c, k, None, so) for c in range(n)]
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k, parse_tools=choice != "none")
 
 
 def admit(state: ServerState, job: Job) -> RequestGroup:

@@ -21,6 +21,7 @@ from augury.server.engine_loop import EngineUnavailable, RequestFailed, RequestG
 from augury.server.errors import APIError, error_body
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.serving import Job, ServerState
+from augury.structured.tools import ToolCallStream
 
 
 def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput] | None = None) -> dict[str, Any]:
@@ -168,10 +169,15 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
 
 async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: float,
                       include_usage: bool) -> AsyncIterator[str]:
+    """Chat chunks. With tools, each choice's text goes through a ToolCallStream: text outside calls
+    arrives as content deltas, each call as OpenAI's tool_calls deltas (index, id, type and name
+    first, then argument fragments), and a choice that called a tool and stopped finishes with
+    "tool_calls"."""
     base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
     observe, generated, finals = _Observer(state, t0), 0, []
+    parsers: dict[int, ToolCallStream] = {}
     try:
         for index in range(len(group)):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -185,15 +191,27 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
                 finals.append(out)
             if not out.new_text and not out.finished:
                 continue
-            delta = {"content": out.new_text} if out.new_text else {}
+            finish = out.finish_reason
+            if job.parse_tools:
+                parser = parsers.setdefault(index, ToolCallStream())
+                deltas = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
+                if parser.calls and finish == "stop":
+                    finish = "tool_calls"
+            else:
+                deltas = [{"content": out.new_text}] if out.new_text else []
             logprobs = None
             if job.logprobs is not None:  # every token not sent yet, whether or not it showed text
                 done = sent.get(index, 0)
                 logprobs = await state.on_tokenizer_thread(chat_logprobs, state.tokenizer, out.token_ids[done:],
                                                            out.logprobs[done:], job.logprobs)
                 sent[index] = len(out.token_ids)
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
-            yield _sse({**base, "choices": [choice], **extra})
+            if not deltas and (finish is not None or logprobs is not None):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None,
+                          "finish_reason": finish if last else None}
+                yield _sse({**base, "choices": [choice], **extra})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
     except (RequestFailed, EngineUnavailable) as exc:

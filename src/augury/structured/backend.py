@@ -27,7 +27,7 @@ class ShapingStats:
     masked_tokens: int = 0  # rows (a decode step's, or a verified node's) a grammar mask was built for
 
 
-def _clean(exc: BaseException) -> str:
+def clean_error(exc: BaseException) -> str:
     """xgrammar's messages open with '[hh:mm:ss] /path/file.cc:123: '; keep the sentence."""
     text = str(exc).strip()
     text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
@@ -37,17 +37,17 @@ def _clean(exc: BaseException) -> str:
 _BOUNDED_STRING = '^[^\\x00-\\x1f"\\\\]{%d,%s}$'
 
 
-def _bounded_strings(schema):
+def bounded_strings(schema):
     """A copy of a JSON schema where each string with minLength/maxLength (and no pattern, format, enum
     or const) becomes the equivalent pattern without control characters. xgrammar 0.2's own rule for
     length-bounded strings lets raw control characters through (invalid JSON: a random model wrote
     "\x01" inside one); its pattern rule does not. (Escape sequences are not generated in such
     strings, as in xgrammar's own rule.)"""
     if isinstance(schema, list):
-        return [_bounded_strings(x) for x in schema]
+        return [bounded_strings(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    out = {k: bounded_strings(v) for k, v in schema.items()}
     if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
             and not any(k in out for k in ("pattern", "format", "enum", "const"))):
         lo, hi = out.get("minLength", 0), out.get("maxLength")
@@ -84,7 +84,7 @@ class GrammarBackend:
             with self._lock:
                 if kind == "json":
                     schema = spec.json if isinstance(spec.json, dict) else {}  # true: any JSON value
-                    return c.compile_json_schema(json.dumps(_bounded_strings(schema)),
+                    return c.compile_json_schema(json.dumps(bounded_strings(schema)),
                                                  any_whitespace=not spec.disable_any_whitespace,
                                                  strict_mode=True)
                 if kind == "json_object":
@@ -98,7 +98,7 @@ class GrammarBackend:
                     return c.compile_grammar(spec.grammar)
                 return c.compile_structural_tag(spec.structural_tag)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_clean(e)}") from None
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {clean_error(e)}") from None
 
     def matcher(self, spec: StructuredOutputsParams):
         """A fresh matcher for one request (rollback unbounded: a verification walk pushes at most a

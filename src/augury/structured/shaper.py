@@ -21,17 +21,14 @@ MAX_FORCED = 32  # forced tokens looked up per tree node (jump-forward drafts)
 
 
 def bad_word_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
-    """Each word's token ids as it would appear in text, with and without a leading space (vLLM's
-    rule: the spaced form only where it tokenizes to as many tokens with another first one)."""
+    """Each word's token ids as it appears in text: without and with a leading space (both are banned;
+    vLLM keeps the spaced form only where it has as many tokens as the plain one)."""
     out: list[list[int]] = []
     for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        for ids in (plain, spaced):
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
             if ids and ids not in out:
                 out.append(ids)
-        if plain and spaced and len(spaced) != len(plain) and spaced in out and plain != spaced:
-            out.remove(spaced)
     return out
 
 
