@@ -189,3 +189,111 @@ def test_sampled_tokens_under_a_mask_follow_the_masked_distribution(ckpts, spec)
         counts[letters.index(o.token_ids[2])] += 1
     p = chisquare(counts.numpy(), (expected / expected.sum() * n).numpy()).pvalue
     assert p > 1e-3, (counts, expected * n)
+
+
+# --------------------------------------------------------------------------- the other logit controls
+
+CONTROLS = {
+    "repetition": dict(repetition_penalty=1.4),
+    "frequency": dict(frequency_penalty=1.2),
+    "presence": dict(presence_penalty=1.5),
+    "bias": dict(logit_bias={20: 4.0, 21: 3.0, 30: -50.0}),
+    "bad-words": dict(bad_words=None),  # words the unshaped output writes (see the test)
+    "all-and-a-grammar": dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5,
+                              logit_bias={20: 2.0}, structured_outputs=SO(regex="[a-z ]{5,60}")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLS))
+def test_each_logit_control_keeps_greedy_speculation_exact(plain, spec, name):
+    kw = dict(CONTROLS[name])
+    free = plain.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    if "bad_words" in kw:
+        texts = [plain.tokenizer.decode([t]).strip() for t in free[0].token_ids[:8] + free[1].token_ids[:8]]
+        kw["bad_words"] = [t for t in texts if t.isalpha()][:3]
+        assert kw["bad_words"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **kw)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert any(g.spec_stats.num_verify_steps for g in got)
+    assert [f.token_ids for f in free] != [w.token_ids for w in want]  # the control did act
+    if "bad_words" in kw:
+        from augury.structured.shaper import bad_word_ids
+
+        words = bad_word_ids(plain.tokenizer, kw["bad_words"])
+        for w in want:
+            for word in words:
+                ids = w.token_ids
+                assert not any(ids[i:i + len(word)] == word for i in range(len(ids))), (word, ids)
+    _no_leak(spec)
+
+
+def test_seeded_sampling_with_every_control_is_plain_seeded_sampling(plain, spec):
+    params = [SamplingParams(max_tokens=40, temperature=1.0, top_k=50, min_p=0.05, seed=s, ignore_eos=True,
+                             repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.3,
+                             logit_bias={20: 3.0}, bad_words=["the"]) for s in range(4)]
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_min_p_drops_the_unlikely_tail():
+    from augury.sampling import apply_sampling_filters
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = apply_sampling_filters(logits, 1.0, None, 1.0, 0.2)  # keeps p >= 0.2 * 0.5
+    assert probs[0, 3] == 0 and probs[0, 2] > 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    assert torch.equal(apply_sampling_filters(logits, 1.0, None, 1.0, 0.0), torch.softmax(logits, dim=-1))
+
+
+def test_a_shaper_pops_back_to_its_committed_state(plain):
+    """Pushing a path (a verification walk) then popping it leaves penalties, bad words and the grammar
+    exactly where the committed output left them."""
+    from augury.structured import make_shaper
+
+    eng = plain.engine
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
+                            logit_bias={7: 2.0}, bad_words=["the quick"],
+                            structured_outputs=SO(regex="[a-z]{1,3}(-[a-z]{1,3}){0,4}"))
+    sh = make_shaper(params, PROMPTS[0], vocab_size=eng.model_cfg.vocab_size, device=eng.device,
+                     tokenizer=eng.tokenizer, backend=eng.grammar)
+    tok = eng.tokenizer
+    for t in tok.encode("ab-c", add_special_tokens=False):
+        sh.commit(t)
+    logits = torch.randn(eng.model_cfg.vocab_size)
+    before = sh.apply(logits.clone())
+    for t in tok.encode("d-ef", add_special_tokens=False):
+        sh.push(t)
+    assert not torch.equal(sh.apply(logits.clone()), before)
+    sh.pop_all()
+    assert torch.equal(sh.apply(logits.clone()), before)
+    assert torch.isinf(before).sum() > 0  # the grammar masks
+
+
+def test_the_grammar_prunes_drafts_and_drafts_forced_tokens(plain):
+    from augury.speculative.tree import DraftTree, depth_from_parents, rebuild_rows
+    from augury.structured import make_shaper
+
+    eng, tok = plain.engine, plain.tokenizer
+    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="abc(d|e)fgh")), PROMPTS[0],
+                     vocab_size=eng.model_cfg.vocab_size, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "abcdefghz"}
+    sh.commit(ids["a"])  # the root: the last committed token
+    # root -> b -> c -> z (refused) ; root -> z (refused) -> c ; root -> b -> d (refused)
+    tokens = [ids["a"], ids["b"], ids["z"], ids["c"], ids["c"], ids["z"], ids["d"]]
+    parents = [-1, 0, 0, 1, 2, 3, 1]
+    keep, chains = sh.plan_tree(tokens, parents, len(tokens), capacity=8)
+    assert keep == [0, 1, 3]
+    assert chains == []  # after "abc" the grammar allows d or e: nothing is forced
+    sh2 = make_shaper(SamplingParams(structured_outputs=SO(regex="abcdefgh")), PROMPTS[0],
+                      vocab_size=eng.model_cfg.vocab_size, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    sh2.commit(ids["a"])
+    keep, chains = sh2.plan_tree(tokens, parents, len(tokens), capacity=6)
+    assert keep == [0, 1, 3]
+    assert len(chains) == 1 and chains[0][0] == 3 and tok.decode(chains[0][1]) == "def"  # 3 kept + 3 forced
+    par = torch.tensor([parents])
+    tree = DraftTree(torch.tensor([tokens]), par, depth_from_parents(par))
+    new = rebuild_rows(tree, [(keep, chains)])
+    assert new.sizes == [6] and new.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
+    assert tok.decode(new.tokens[0].tolist()) == "abcdef" and new.depth[0].tolist() == [0, 1, 2, 3, 4, 5]
