@@ -297,3 +297,13 @@ def test_the_grammar_prunes_drafts_and_drafts_forced_tokens(plain):
     new = rebuild_rows(tree, [(keep, chains)])
     assert new.sizes == [6] and new.parents[0].tolist() == [-1, 0, 1, 2, 3, 4]
     assert tok.decode(new.tokens[0].tolist()) == "abcdef" and new.depth[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_forced_drafts_keep_a_requests_own_draft_cap(plain, spec):
+    params = SamplingParams(max_tokens=120, temperature=0.0, max_draft_tokens=2,
+                            structured_outputs=SO(json=SCHEMAS["enums-and-bools"]))
+    want = plain.generate(PROMPTS[:2], params, use_tqdm=False)
+    got = spec.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g in got:
+        assert g.spec_stats.num_verify_steps and g.spec_stats.num_draft_tokens <= 2 * g.spec_stats.num_verify_steps

@@ -188,7 +188,9 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
     """The grammar as a pruner and a proposer: in each drafting row of a request with a grammar, drop
     the drafts it refuses (with their subtrees) before the target sees them, and draft for free the
     tokens it forces (keys, punctuation, a fixed enum value) under the kept nodes, up to `capacity`
-    nodes a row (what the step reserved). Root-only rows stay as they are."""
+    nodes a row (what the step reserved; a request's own max_draft_tokens holds, the policy's budget
+    for it does not: forced tokens are accepted whatever the head drafts). Root-only rows stay as
+    they are."""
     sizes = tree.row_sizes()
     rows = [b for b, r in enumerate(reqs) if r.shaper is not None and r.shaper.has_grammar and sizes[b] > 1]
     if not rows:
@@ -196,7 +198,9 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()
     plans: list = [None] * len(reqs)
     for b in rows:
-        plans[b] = reqs[b].shaper.plan_tree(toks[b], pars[b], sizes[b], capacity)
+        own = reqs[b].params.max_draft_tokens
+        room = capacity if own is None else min(capacity, own + 1)
+        plans[b] = reqs[b].shaper.plan_tree(toks[b], pars[b], sizes[b], room)
     return rebuild_rows(tree, plans)
 
 
