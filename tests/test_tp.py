@@ -171,7 +171,7 @@ def test_two_ranks_give_one_process_logits_and_greedy_answers(tiny_checkpoint) -
         got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == want
         stats = two.engine.model.group.stats()
-        assert stats["size"] == 2 and stats["backend"] == "gloo" and stats["calls"]["all_reduce"] > 0
+        assert stats["size"] == 2 and stats["backend"].startswith("gloo") and stats["calls"]["all_reduce"] > 0
     finally:
         _close(two)
 

@@ -30,7 +30,7 @@ import torch
 
 from augury.config import EngineConfig
 from augury.distributed import topology
-from augury.distributed.comm import Group
+from augury.distributed.comm import Group, Shared, SharedLib
 from augury.distributed.topology import Topology
 from augury.distributed.watchdog import Watchdog, exit_description
 
@@ -65,7 +65,8 @@ class ModelSpec:
     quantization: str
     device_type: str
     timeout: float
-    exchange: str | None = None  # the shared-memory exchange's file, where every rank is on this machine
+    exchange: str | None = None  # the shared-memory channel's file, where every rank is on this machine
+    exchange_cap: int = 0  # floats per rank's slot in it (comm.Shared)
 
 
 def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
@@ -122,12 +123,14 @@ class Ranks:
                               timeout=timedelta(seconds=_start_timeout(config.dist_timeout, topo.nnodes)))
         if topo.hosts_store:
             topo = _with_port(topo, store.port)
-        exchange = None
-        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and Path("/dev/shm").is_dir():
+        exchange, shards = None, plan_shards(tcfg, topo.size)
+        cap = Shared.capacity(topo.size, tcfg.hidden_size, max(shards[0].vocab_sizes))
+        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and Path("/dev/shm").is_dir() \
+                and SharedLib.load() is not None:
             exchange = Path(f"/dev/shm/augury-tp-{os.getpid()}-{topo.port}")
-            Group.create_exchange(exchange, topo.size, tcfg.hidden_size)
+            Shared.create(exchange, topo.size, cap)
         spec = ModelSpec(str(dtype).removeprefix("torch."), max_len, quantization, device.type, config.dist_timeout,
-                         None if exchange is None else str(exchange))
+                         None if exchange is None else str(exchange), cap)
         store.set(SPEC_KEY, json.dumps(asdict(spec)))
         ranks = Ranks(topo, store, spec, {})
         _active = ranks
@@ -142,13 +145,13 @@ class Ranks:
             ranks.group.watchdog = ranks.watchdog
             ranks.watchdog.start()
             if exchange is not None:
-                ranks.group.map_exchange(exchange, tcfg.hidden_size, spec.timeout)
-            ranks.shard = plan_shards(tcfg, topo.size)[0]
+                ranks.group.shared = Shared(exchange, 0, topo.size, cap, spec.timeout, SharedLib.load())
+            ranks.shard = shards[0]
         except BaseException:
             ranks.close()
             raise
         log.info("tensor parallelism: %d ranks (%s%s), %d on this machine, %d threads each, store %s:%d",
-                 topo.size, ranks.group.backend, " + shared-memory exchange" if exchange is not None else "",
+                 topo.size, ranks.group.backend, " + shared memory" if exchange is not None else "",
                  topo.per_node, topo.threads_of(0), topo.host, topo.port)
         return ranks
 

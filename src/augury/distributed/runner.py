@@ -124,8 +124,7 @@ class ShardedTarget(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]: every rank its vocabulary rows, gathered here."""
         hidden = hidden.contiguous()
-        self.group.send(("logits", tuple(hidden.shape), str(hidden.dtype).removeprefix("torch.")))
-        self.group.broadcast_(hidden)
+        self.group.send(("logits", hidden))
         return self.local.logits(hidden)
 
     def close(self) -> None:
@@ -148,8 +147,7 @@ def serve_commands(group: Group, model: nn.Module, make_cache) -> None:
                 attn = getattr(backend, method)(*args)
                 model(ids.to(device), positions.to(device), attn, ())
             elif kind == "logits":
-                hidden = group.broadcast_(torch.empty(command[1], dtype=getattr(torch, command[2]), device=device))
-                model.logits(hidden)
+                model.logits(command[1].to(device))
             elif kind == "copy":
                 kv.copy_slots(command[1].to(device), command[2].to(device))
             elif kind == "setup":

@@ -90,8 +90,14 @@ def run_rank(rank: int, size: int, nnodes: int, host: str, port: int, folder: Pa
         cfg = TargetConfig.from_folder(folder)
         shard = plan_shards(cfg, size)[rank]
         model, _ = load_target(folder, dtype, device, spec["max_len"], spec["quantization"], shard, group)
-        if spec.get("exchange"):  # every rank on this machine: the fused stack sums in shared memory
-            group.map_exchange(Path(spec["exchange"]), cfg.hidden_size, spec["timeout"])
+        if spec.get("exchange"):  # every rank on this machine: collectives and commands in shared memory
+            from augury.distributed.comm import Shared, SharedLib
+
+            lib = SharedLib.load()
+            if lib is None:
+                raise RuntimeError("rank 0 uses the shared-memory channel, but augury's forward kernel does not "
+                                   "load on this rank")
+            group.shared = Shared(Path(spec["exchange"]), rank, size, spec["exchange_cap"], spec["timeout"], lib)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which stops start-up naming this rank
         store.set(STATUS.format(rank), "error: " + one_line(e))
         watchdog.stop()

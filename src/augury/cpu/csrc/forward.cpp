@@ -26,6 +26,7 @@
 // publishes a counter, waits (bounded spin, then yield; a peer silent for timeout_ms fails the call)
 // for every other rank's, and every rank adds the slots in rank order (the same bits everywhere).
 #include <sched.h>
+#include <time.h>
 
 #include <chrono>
 #include <cstdint>
@@ -363,4 +364,44 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
         }
     }
     return failed ? 3 : 0;
+}
+
+// ---- the shared-memory channel between the ranks of one machine (distributed/comm.py drives it) ----
+
+// This rank's n floats into its slot of exchange op *counter + 1 (the fused stack's exchange, same
+// layout and counter), published, then every rank's awaited. Returns the op's buffer (0 or 1: read
+// the slots there), -1 when a rank did not arrive within timeout_ms, -2 for bad arguments.
+extern "C" int64_t augury_shm_exchange(char *base, int64_t rank, int64_t size, int64_t cap, int64_t *counter,
+                                       const float *src, int64_t n, int64_t timeout_ms) {
+    if (!base || !counter || n < 0 || n > cap || size < 1 || size * 64 > Exchange::HEADER || rank < 0 || rank >= size)
+        return -2;
+    Exchange ex;
+    ex.base = base, ex.rank = rank, ex.size = size, ex.cap = cap, ex.counter = counter, ex.timeout_ms = timeout_ms;
+    const int64_t k = *counter + 1;
+    std::memcpy(ex.slot(k & 1, rank), src, static_cast<size_t>(n) * 4);
+    if (!exchange(ex, k)) return -1;
+    *counter = k;
+    return k & 1;
+}
+
+// *addr = value, after every write this thread made before (a release store).
+extern "C" void augury_shm_publish(int64_t *addr, int64_t value) { __atomic_store_n(addr, value, __ATOMIC_RELEASE); }
+
+// Wait until *addr >= target: spin about spin_us (a peer that is about to arrive), then sleep in
+// steps growing from 20 us to 1 ms (an idle engine costs next to nothing). timeout_ms <= 0 waits for
+// ever. 0 when reached, 1 on timeout. (Called through ctypes, which lets other Python threads run.)
+extern "C" int augury_shm_wait(const int64_t *addr, int64_t target, int64_t timeout_ms, int64_t spin_us) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    int64_t nap_us = 20;
+    for (int64_t spins = 0; __atomic_load_n(addr, __ATOMIC_ACQUIRE) < target; spins++) {
+        if ((spins & 127) != 0) continue;
+        const auto waited = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - start).count();
+        if (timeout_ms > 0 && waited > timeout_ms * 1000) return 1;
+        if (waited < spin_us) continue;
+        struct timespec ts = {0, static_cast<long>(nap_us) * 1000};
+        nanosleep(&ts, nullptr);
+        if (nap_us < 1000) nap_us += nap_us / 4 + 1;
+    }
+    return 0;
 }
