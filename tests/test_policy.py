@@ -6,70 +6,128 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.config import EngineConfig
-from augury.speculative.adaptive import AdaptivePolicy, LinearCost
+from augury.core.request import Request
+from augury.speculative.adaptive import AdaptivePolicy, EXPLORE_EVERY, PRIOR_RATE
+from augury.speculative.arms import bucket_of
 from augury.speculative.policy import StaticPolicy, TreeShape
+from policy_helpers import fake_clock, teach_times
 from speculative_helpers import make_target, random_head
 
 SHAPE = TreeShape(5, 1, 6)
+TREE = TreeShape(3, 4, 8)
+
+
+def _reqs(n: int) -> list[Request]:
+    return [Request(str(i), [1, 2, 3], SamplingParams()) for i in range(n)]
+
+
+def _accept(policy: AdaptivePolicy, shape: TreeShape, accepted: int, times: int = 30) -> None:
+    for _ in range(times):
+        policy.observe(1, shape, 0.05, [accepted], timed=False)
 
 
 # ------------------------------------------------------------------------- decision function
 
-def test_cheap_verification_picks_the_full_tree():
-    # memory-bound target: a forward costs the same for 1 or 6 tokens per request; drafting is nearly free
-    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(1e-5, 0, 0))
+def test_a_fresh_policy_decodes_plainly_until_it_has_measured_both_arms():
+    """Nothing is assumed about this machine: a bucket starts plain, then probes drafting."""
+    policy = AdaptivePolicy(TREE, None)
+    assert policy.choose(1) is None
+    assert not policy.buckets[1].arms  # nothing measured yet: plain again
+    teach_times(policy, 1, 0.040, {})
+    assert policy.choose(1) == TREE  # plain measured: drafting is probed
+    assert policy.buckets[1].probe == TREE.num_steps
+
+
+@pytest.mark.parametrize("shape", [SHAPE, TREE], ids=["chain", "tree"])
+def test_measured_cheap_drafting_is_chosen_and_dear_drafting_is_not(shape):
+    cheap, dear = AdaptivePolicy(shape, None), AdaptivePolicy(shape, None)
+    for p in (cheap, dear):
+        _accept(p, shape, shape.num_steps)  # drafts accepted: drafting pays if its time allows
+    teach_times(cheap, 1, 0.040, {d: 0.042 for d in cheap.depths()})
+    teach_times(dear, 1, 0.040, {d: 0.040 * (2 + d) for d in dear.depths()})
+    assert {cheap.choose(1) for _ in range(EXPLORE_EVERY // 2 - 1)} == {shape}  # before any exploration
+    assert {dear.choose(1) for _ in range(EXPLORE_EVERY - 1)} == {None}
+
+
+def test_each_batch_bucket_decides_from_its_own_measurements():
+    """Verification cheap at small batches and dear at large ones: the crossover is where the
+    measurements put it, bucket by bucket."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 3)
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        plain = 0.020 + 0.001 * b
+        teach_times(policy, b, plain, {3: plain + 0.003 + 0.008 * b})  # verification grows with the batch
+    chosen = {b: policy.choose(b) is not None for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert chosen[1] and chosen[2] and not chosen[32] and not chosen[64]
+    order = [chosen[b] for b in sorted(chosen)]
+    assert order == sorted(order, reverse=True)  # never more speculation for a bigger batch
+
+
+def test_low_acceptance_turns_speculation_off_and_high_brings_it_back():
+    policy = AdaptivePolicy(SHAPE, None)
+    teach_times(policy, 1, 0.040, {d: 0.040 + 0.004 * d for d in policy.depths()})
+    _accept(policy, SHAPE, 5)
+    assert policy.choose(1) is not None
+    _accept(policy, SHAPE, 0, 200)  # drafts keep being rejected
+    assert policy.choose(1) is None
+    _accept(policy, SHAPE, 5, 200)  # ... and then keep being accepted
     assert policy.choose(1) == SHAPE
 
 
-def test_expensive_verification_picks_zero():
-    # compute-bound target: every verified token costs as much as the fixed overhead
-    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 0.040), draft_cost=LinearCost(0.001, 0, 0))
-    assert policy.choose(32) is None
-    assert policy.best_depth(32) == 0
+def test_plain_decoding_is_measured_while_speculating():
+    """No speculation is an arm the policy explores: every EXPLORE_EVERY steps of a bucket it
+    decodes plainly, so a plain median cannot go stale while drafting runs."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 3)
+    teach_times(policy, 4, 0.040, {3: 0.045})
+    got = [policy.choose(4) for _ in range(4 * EXPLORE_EVERY)]
+    plain = [i for i, s in enumerate(got) if s is None]
+    assert len(plain) == 4 and all(b - a == EXPLORE_EVERY for a, b in zip(plain, plain[1:]))
 
 
-def test_crossover_moves_with_batch_size():
-    # per-token cost small but growing with batch: speculate at batch 1, not at batch 64
-    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.001, 0.002), draft_cost=LinearCost(0.002, 0, 1e-4))
-    assert policy.best_depth(1) > 0
-    assert policy.best_depth(64) == 0
-    depths = [policy.best_depth(b) for b in (1, 2, 4, 8, 16, 32, 64)]
-    assert depths == sorted(depths, reverse=True)  # never more speculation for a bigger batch
+def test_a_plain_arm_that_got_slower_turns_speculation_on():
+    """Both arms are medians of their own steps: plain decoding measured slower (say, the machine's
+    other load moved) is what makes drafting pay, with no model in between."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    teach_times(policy, 8, 0.040, {3: 0.090})
+    assert {policy.choose(8) for _ in range(EXPLORE_EVERY - 1)} == {None}
+    teach_times(policy, 8, 0.080, {}, n=15)
+    assert [policy.choose(8) for _ in range(3)].count(TREE) >= 2  # (one may be a plain exploration step)
 
 
-def test_low_acceptance_turns_speculation_off():
-    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 0.004), draft_cost=LinearCost(0.004, 0, 0))
-    assert policy.best_depth(1) > 0
-    for _ in range(200):  # drafts keep being rejected
-        policy.observe(1, policy.shape_for(1), 0.05, [0])
-    assert policy.best_depth(1) == 0
-    for _ in range(200):  # ... and then keep being accepted
-        policy.observe(1, SHAPE, 0.05, [5])
-    assert policy.best_depth(1) == SHAPE.num_steps
+def test_the_guard_turns_a_losing_bucket_off_and_retries_with_growing_back_off():
+    """Predicted to pay (acceptance says so) but realized goodput is below plain's: the guard turns
+    speculation off for the bucket, tries again after a back-off, and doubles it when it loses again."""
+    from augury.speculative.arms import BASE_BACKOFF
+
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 3)
+    teach_times(policy, 2, 0.040, {3: 0.050})
+    bk = policy.buckets[bucket_of(2)]
+    waits, steps = [], 0
+    while len(waits) < 3 and steps < 5000:
+        steps += 1
+        shape = policy.choose(2)
+        if shape is None:
+            policy.observe(2, None, 0.040, [])
+            continue
+        # the drafts are accepted in the policy's books, but the step emitted only its roots (say, a
+        # stop condition cut every row): realized 2 tokens per 50 ms against plain's 2 per 40
+        was = bk.blocked
+        policy.observe(2, shape, 0.050, [0, 0], timed=True)
+        policy.acc = list(policy.off)  # the books keep saying everything is accepted
+        if bk.blocked and not was:
+            waits.append(bk.probe_at - bk.steps)
+    assert len(waits) == 3 and waits[0] >= BASE_BACKOFF and waits[0] < waits[1] < waits[2]
 
 
-def test_measured_step_times_correct_the_cost_model():
-    policy = AdaptivePolicy(SHAPE, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.001, 0, 0))
-    before = policy.best_depth(8)
-    assert before >= 3
-    for _ in range(10):  # a speculative step really takes 10x what the model predicted
-        policy.observe(8, SHAPE, 10 * policy.model_time(8, SHAPE.num_steps), [1])
-        policy.observe(8, None, policy.model_time(8, 0), [])  # plain steps are as modelled
-    assert policy.step_time(8, 5) == pytest.approx(10 * policy.model_time(8, 5), rel=1e-6)
-    assert policy.best_depth(8) < before
-    times = policy.step_times(8)
-    assert times == sorted(times)  # deeper drafting never predicted cheaper
-
-
-@pytest.mark.parametrize("samples", [
-    [(1, 1, 0.0524), (1, 8, 0.0570)],  # one batch size (max_num_seqs=1): a and b cannot be told apart
-    [(b, n, 0.040 + 0.002 * b + 0.003 * b * n) for b in (1, 4, 16) for n in (1, 8)],
-])
-def test_cost_fit_reproduces_its_samples(samples):
-    cost = LinearCost.fit(samples)
-    for b, n, t in samples:
-        assert cost(b, n) == pytest.approx(t, rel=0.15)
-    assert min(cost.a, cost.b, cost.c) >= 0
+def test_a_tree_is_drafted_whole_or_not_at_all():
+    policy = AdaptivePolicy(TREE, None)
+    assert policy.depths() == [TREE.num_steps]
+    _accept(policy, TREE, 3)
+    teach_times(policy, 1, 0.040, {3: 0.045})
+    assert {policy.choose(1) for _ in range(EXPLORE_EVERY - 1)} == {TREE}
 
 
 def test_shallower_trees_keep_their_node_budget():
@@ -80,42 +138,55 @@ def test_shallower_trees_keep_their_node_budget():
     assert [AdaptivePolicy(SHAPE, None).shape_for(d) for d in (1, 3)] == [TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
 
 
-def test_exploration_remeasures_the_stalest_depth():
-    """A depth that looked slow once (say, measured while the machine was busy) is measured
-    again: exploring steps go to the depth seen longest ago, and a fresh fast measurement
-    brings it back into use."""
-    from augury.speculative.adaptive import EXPLORE_EVERY
-
-    policy = AdaptivePolicy(TreeShape(4, 1, 5), None, target_cost=LinearCost(0.040, 0.0, 1e-5),
-                            draft_cost=LinearCost(0.002, 0, 0), prior=[0.7, 0.5, 0.35, 0.25])
-    for d in range(5):
-        policy.observe(1, policy.shape_for(d) if d else None, 0.040 + 0.002 * d, [min(d, 2)] if d else [])
-    for _ in range(3):  # depth 3 once measured at 10x its real cost
-        policy.observe(1, policy.shape_for(3), 0.5, [3])
-    explored = []
-    for _ in range(12 * EXPLORE_EVERY):
+def test_a_chains_stale_depths_are_measured_afresh():
+    """A depth that looked slow once (measured while the machine was busy) is measured again from
+    scratch (a probe replaces its window), and the fresh fast figure brings it into use."""
+    policy = AdaptivePolicy(TreeShape(4, 1, 5), None)
+    _accept(policy, TreeShape(4, 1, 5), 4)
+    teach_times(policy, 1, 0.040, {1: 0.042, 2: 0.044, 3: 0.5, 4: 0.5})  # 3 and 4 once measured at 10x
+    seen = set()
+    for _ in range(8 * EXPLORE_EVERY * 4):
         shape = policy.choose(1)
-        depth = shape.num_steps if shape else 0
-        if policy.steps % EXPLORE_EVERY == 0:
-            explored.append(depth)
-        policy.observe(1, shape, 0.040 + 0.002 * depth, [min(depth, 2)])
-    assert 3 in explored and len(set(explored)) >= 3  # depths not in use get re-measured in turn
-    assert policy.step_time(1, 3) < 0.1  # the stale slow figure was replaced
-
-
-def test_a_tree_is_drafted_whole_or_not_at_all():
-    tree = TreeShape(3, 4, 8)
-    cheap = AdaptivePolicy(tree, None, target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(0.002, 0, 0))
-    dear = AdaptivePolicy(tree, None, target_cost=LinearCost(0.040, 0.0, 0.040), draft_cost=LinearCost(0.002, 0, 0))
-    assert {cheap.choose(1) for _ in range(100)} == {tree}
-    assert {dear.choose(32) for _ in range(100)} == {None}
+        d = shape.num_steps if shape else 0
+        seen.add(d)
+        policy.observe(1, shape, 0.040 + 0.002 * d, [d] if d else [], sizes=[d + 1] if d else None)
+    assert {3, 4} <= seen
+    assert policy.buckets[1].times(policy.depths(), 4)[4] < 0.1  # the stale slow figure was replaced
 
 
 @pytest.mark.parametrize("policy_cls", [StaticPolicy, AdaptivePolicy])
 def test_threshold_caps_every_policy(policy_cls):
-    policy = policy_cls(SHAPE, 4)
+    policy = policy_cls(TREE, 4)
+    if isinstance(policy, AdaptivePolicy):
+        _accept(policy, TREE, 3)
+        teach_times(policy, 4, 0.040, {3: 0.041})
     assert policy.choose(4) is not None
     assert policy.choose(5) is None
+    assert policy.plan(_reqs(5)).shape is None
+
+
+def test_the_heads_prior_can_only_lower_the_conservative_default():
+    """The shipped head's recorded acceptance was measured on a chain over its training templates;
+    the policy starts from PRIOR_RATE per level, or lower where the record says lower, and learns."""
+    strong = AdaptivePolicy(SHAPE, None, prior=[0.9, 0.8, 0.7, 0.6, 0.5])
+    weak = AdaptivePolicy(SHAPE, None, prior=[0.1, 0.01])
+    assert strong.rates() == pytest.approx([PRIOR_RATE] * 5)
+    assert weak.rates()[:2] == pytest.approx([0.1, 0.1]) and weak.rates()[2:] == pytest.approx([PRIOR_RATE] * 3)
+
+
+def test_choose_and_plan_are_one_rule():
+    """Requests with the batch's acceptance and no caps: plan decides what choose does, step by step."""
+    a, b = AdaptivePolicy(TREE, None), AdaptivePolicy(TREE, None)
+    reqs = _reqs(4)
+    for p in (a, b):
+        _accept(p, TREE, 2)
+        teach_times(p, 4, 0.040, {3: 0.050})
+    for r in reqs:  # past their first (optimistic) try
+        b._own(r).retry_at = None
+    for _ in range(3 * EXPLORE_EVERY):
+        want = a.choose(4)
+        plan = b.plan(reqs)
+        assert plan.shape == want and plan.caps == ((None,) * 4 if want else (0,) * 4)
 
 
 # --------------------------------------------------------------------- threshold configuration
@@ -162,9 +233,8 @@ def test_batch_shrinking_across_threshold_is_exact(ckpts, policy, window):
               speculative_policy=policy, speculative_disable_batch_threshold=3, speculative_num_steps=3,
               speculative_eagle_topk=1, speculative_num_draft_tokens=4, log_stats_interval=0)
     llm.engine.speculator.catch_up_window = window
-    if policy == "adaptive":  # make drafting look free so that the threshold is what decides
-        llm.engine.speculator.policy.target_cost = LinearCost(1.0, 0.0, 0.0)
-        llm.engine.speculator.policy.draft_cost = LinearCost(0.0, 0.0, 0.0)
+    if policy == "adaptive":  # a clock where drafting is free, so that the threshold is what decides
+        fake_clock(llm.engine.speculator.policy, 0.040, 0.0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     verify_steps = [o.spec_stats.num_verify_steps for o in outs]
@@ -175,13 +245,18 @@ def test_batch_shrinking_across_threshold_is_exact(ckpts, policy, window):
     assert a.num_free == a.num_usable
 
 
-def test_measured_acceptance_is_the_prior():
-    costs = dict(target_cost=LinearCost(0.040, 0.0, 0.004), draft_cost=LinearCost(0.004, 0, 0))
-    weak = AdaptivePolicy(SHAPE, None, prior=[0.1, 0.01], **costs)
-    strong = AdaptivePolicy(SHAPE, None, prior=[0.9, 0.8, 0.7, 0.6, 0.5], **costs)
-    assert weak.best_depth(1) == 0
-    assert strong.best_depth(1) >= 3
-    assert strong.expected_accepted(5) == pytest.approx(0.9 + 0.8 + 0.7 + 0.6 + 0.5)
+def test_the_warm_up_runs_both_paths_and_teaches_the_policy_nothing(ckpts):
+    """Start-up profiles nothing; the warm-up request decodes plainly and drafts (both paths run
+    before traffic), and the adaptive policy starts with no measurement and no acceptance learned."""
+    target, head = ckpts
+    llm = LLM(str(target), dtype="float32", draft_model=str(head), speculative_algorithm="eagle3",
+              speculative_policy="adaptive", log_stats_interval=0)
+    spec = llm.engine.speculator
+    policy = spec.policy
+    assert not spec.warming and spec._warm_steps >= 2
+    fresh = AdaptivePolicy(policy.max_shape, None)
+    assert policy.buckets == {} and policy.steps == 0 and len(policy.own) == 0
+    assert policy.acc == fresh.acc and policy.off == fresh.off
 
 
 def test_steps_that_catch_up_a_backlog_are_not_timed(ckpts):

@@ -12,98 +12,102 @@ from safetensors.torch import load_file, save_file
 
 from augury import LLM, SamplingParams
 from augury.core.request import Request
-from augury.speculative.adaptive import AdaptivePolicy, LinearCost
+from augury.speculative.adaptive import REQ_BACKOFF, AdaptivePolicy
 from augury.speculative.policy import StaticPolicy, TreeShape
+from policy_helpers import fake_clock, teach_times
 from speculative_helpers import checkpoints, make_target
 
 CHAIN, TREE = TreeShape(5, 1, 6), TreeShape(3, 4, 8)
-# memory-bound target (a verified token costs a tenth of the step's fixed part), cheap head
-COSTS = dict(target_cost=LinearCost(0.040, 0.001, 0.002), draft_cost=LinearCost(0.002, 0.0, 1e-4))
 
 
 def _req(i: int, cap: int | None = None) -> Request:
     return Request(str(i), [1, 2, 3], SamplingParams(max_draft_tokens=cap))
 
 
+def _policy(shape: TreeShape, threshold: int | None = None, batches=(1, 2, 3, 4, 8), per_node: float = 0.002
+            ) -> AdaptivePolicy:
+    """A policy that measured, at these batch sizes, 40 ms a plain step and drafting at 2 ms a node a
+    row (a memory-bound target: a rejected draft does not pay, an accepted one does)."""
+    policy = AdaptivePolicy(shape, threshold)
+    for b in batches:
+        teach_times(policy, b, 0.040, {d: 0.040 + 0.002 + per_node * b * policy.shape_for(d).num_drafts
+                                       for d in policy.depths()})
+    return policy
+
+
 def _teach(policy: AdaptivePolicy, shape: TreeShape, reqs: list[Request], accepted: list[int], times: int = 10):
     for _ in range(times):
         policy.observe(len(reqs), shape, 0.05, list(accepted), timed=False, reqs=reqs)
+    for r in reqs:  # past their first try
+        policy._own(r).retry_at = None
+
+
+def _plan(policy: AdaptivePolicy, reqs: list[Request]):
+    """The rule's plan, skipping exploration steps (a plain one every EXPLORE_EVERY steps)."""
+    from augury.speculative.adaptive import EXPLORE_EVERY
+
+    bk = policy.buckets.get(__import__("augury.speculative.arms", fromlist=["bucket_of"]).bucket_of(len(reqs)))
+    if bk is not None and (bk.steps + 1) % EXPLORE_EVERY in (0, EXPLORE_EVERY // 2):
+        bk.steps += 1
+    return policy.plan(reqs)
 
 
 # ------------------------------------------------------------------------------ the rule
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_low_acceptance_request_gets_nothing_while_a_high_one_drafts_the_whole_tree(shape):
-    policy = AdaptivePolicy(shape, None, **COSTS)
+    policy = _policy(shape)
     high, low = _req(0), _req(1)
     _teach(policy, shape, [high, low], [shape.num_steps, 0])
-    plan = policy.plan([high, low])
+    plan = _plan(policy, [high, low])
     assert plan.shape == shape and plan.caps == (None, 0)  # the whole tree (None: no cut) and nothing
-    assert policy.request_expected(high)[-1] > 2 and policy.request_expected(low)[-1] < 0.5
+    assert policy.request_expected(high)[-1] > 2 and policy.request_expected(low)[-1] < 0.25 * policy.request_expected(high)[-1]
     # the batch-level estimate is the mixture of the two
     assert policy.request_expected(low)[-1] < policy.expected_accepted(shape.num_steps) < policy.request_expected(high)[-1]
 
 
 def test_a_chain_gives_each_request_its_own_depth():
-    """Accepts its first draft, rarely a second: a depth-1 chain, beside a full one and none."""
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
+    """Accepts its first draft, rarely a second: a short chain, beside a full one and none."""
+    policy = _policy(CHAIN)
     high, mid, low = _req(0), _req(1), _req(2)
     _teach(policy, CHAIN, [high, mid, low], [5, 1, 0])
-    plan = policy.plan([high, mid, low])
+    plan = _plan(policy, [high, mid, low])
     assert plan.shape == CHAIN
     assert plan.caps[0] is None and plan.caps[2] == 0
     assert plan.caps[1] in (1, 2)
 
 
 def test_the_step_keeps_a_shallower_chain_when_no_request_drafts_deeper():
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
+    policy = _policy(CHAIN)
     mid, low = _req(0), _req(1)
     _teach(policy, CHAIN, [mid, low], [1, 0], times=30)
-    plan = policy.plan([mid, low])
+    plan = _plan(policy, [mid, low])
     assert plan.shape is not None and plan.shape.num_steps <= 2  # no draft forward beyond what is used
     assert plan.caps[1] == 0
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE, TreeShape(4, 1, 5), TreeShape(2, 2, 4)])
-@pytest.mark.parametrize("costs", [
-    dict(target_cost=LinearCost(0.040, 0.0, 1e-5), draft_cost=LinearCost(1e-5, 0, 0)),  # cheap: draft
-    dict(target_cost=LinearCost(0.040, 0.0, 0.040), draft_cost=LinearCost(0.001, 0, 0)),  # dear: never
-    dict(target_cost=LinearCost(0.040, 0.001, 0.002), draft_cost=LinearCost(0.002, 0, 1e-4)),  # crossover
-    dict(target_cost=LinearCost(0.020, 0.002, 0.004), draft_cost=LinearCost(0.004, 0.001, 1e-3)),
-])
-def test_uniform_acceptance_matches_the_batch_level_choice(shape, costs):
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_uniform_acceptance_matches_the_batch_level_choice(shape, accepted):
     """With one acceptance for all, goodput is monotonic in the number of drafting rows: every
     request drafts the batch-level choice, or none does."""
-    for batch in (1, 2, 3, 4, 8, 16, 32, 64):
-        for prior in (None, [0.9, 0.8, 0.7, 0.6, 0.5], [0.3, 0.1]):
-            batch_level = AdaptivePolicy(shape, None, prior=prior, **costs).choose(batch)
-            plan = AdaptivePolicy(shape, None, prior=prior, **costs).plan([_req(i) for i in range(batch)])
-            assert plan.shape == batch_level, (batch, prior)
-            assert plan.caps == ((None,) * batch if batch_level else (0,) * batch)
-
-
-def test_uniform_learned_acceptance_matches_the_batch_level_choice():
-    """Requests that all observed the same: their (shared) estimate put into the batch-level rule
-    gives the same decision."""
-    for accepted in (0, 1, 2, 5):
-        for batch in (1, 4, 16):
-            policy = AdaptivePolicy(CHAIN, None, **COSTS)
-            reqs = [_req(i) for i in range(batch)]
-            _teach(policy, CHAIN, reqs, [accepted] * batch, times=3)
-            rates = policy.request_rates(reqs[0])
-            assert all(policy.request_rates(r) == rates for r in reqs)
-            same = AdaptivePolicy(CHAIN, None, **COSTS)
-            same.acc, same.off = list(rates), [1.0] * len(rates)
-            want = same.choose(batch)
-            plan = policy.plan(reqs)
-            assert plan.shape == want, (accepted, batch)
-            assert set(plan.caps) == ({None} if want else {0})
+    for batch in (1, 2, 4, 8):
+        one, other = _policy(shape), _policy(shape)
+        reqs = [_req(i) for i in range(batch)]
+        for p in (one, other):
+            _teach(p, shape, [_req(-1)], [min(accepted, shape.num_steps)], times=5 * batch)
+        for r in reqs:  # each request's own rates are the batch's (nothing of its own yet), past its first try
+            other._own(r).retry_at = None
+        want = one.choose(batch)
+        plan = other.plan(reqs)
+        assert plan.shape == want, (batch, accepted)
+        assert plan.caps == ((None,) * batch if want else (0,) * batch)
 
 
 def test_own_caps_hold_and_zero_never_drafts():
     rng = random.Random(0)
     for shape in (CHAIN, TREE):
-        policy = AdaptivePolicy(shape, None, **COSTS)
+        policy = _policy(shape, batches=range(1, 9))
         for _ in range(200):
             caps = [rng.choice([None, None, 0, 1, 2, 3, 9]) for _ in range(rng.randint(1, 8))]
             reqs = [_req(i, c) for i, c in enumerate(caps)]
@@ -119,10 +123,10 @@ def test_own_caps_hold_and_zero_never_drafts():
 
 
 def test_the_threshold_caps_the_per_request_rule():
-    policy = AdaptivePolicy(CHAIN, 2, **COSTS)
+    policy = _policy(CHAIN, 2)
     high = _req(0)
     _teach(policy, CHAIN, [high], [5])
-    assert policy.plan([high, _req(1)]).shape is not None
+    assert _plan(policy, [high, _req(1)]).shape is not None
     assert policy.plan([high, _req(1), _req(2)]).shape is None
 
 
@@ -133,16 +137,13 @@ def test_static_policy_plans_the_tree_with_each_requests_own_cap():
     assert policy.plan([_req(i) for i in range(4)]).shape is None
 
 
-@pytest.mark.parametrize("shape, costs", [
-    (TreeShape(4, 1, 5), dict(target_cost=LinearCost(0.040, 0.001, 0.001), draft_cost=LinearCost(0.002, 0, 1e-4))),
-    (TreeShape(3, 2, 6), dict(target_cost=LinearCost(0.040, 0.001, 5e-4), draft_cost=LinearCost(0.001, 0, 1e-4))),
-], ids=["chain", "tree"])
-def test_temperature_one_requests_that_accept_little_stay_out(shape, costs):
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 5), TreeShape(3, 2, 6)], ids=["chain", "tree"])
+def test_temperature_one_requests_that_accept_little_stay_out(shape):
     """Sampled drafts: half the batch accepts each level with probability 0.85 (text that copies),
     half with 0.15 (free text at temperature 1). The step keeps speculating, the first half drafts
-    every step, the second is left out but for a rare retry."""
+    every step but for exploration, the second is left out but for a rare retry."""
     rng = random.Random(0)
-    policy = AdaptivePolicy(shape, None, **costs)
+    policy = _policy(shape, per_node=0.0005)
     reqs = [_req(i) for i in range(8)]
     rate = [0.85 if i % 2 == 0 else 0.15 for i in range(8)]
     drafted, speculated, steps = [0] * 8, 0, 600
@@ -161,45 +162,73 @@ def test_temperature_one_requests_that_accept_little_stay_out(shape, costs):
         policy.observe(8, plan.shape, 0.05, accepted, timed=False, offered=offered,
                        reqs=[reqs[i] for i in plan.drafting])
     n = steps - 50
-    assert speculated == n  # the decision to speculate never flips
-    assert min(drafted[0::2]) == n
-    assert max(drafted[1::2]) < 0.2 * n
-    assert sum(drafted[1::2]) > 0  # a request left out drifts back to the batch's estimate and is retried
+    assert speculated >= 0.95 * n  # the decision to speculate holds (plain steps are exploration)
+    assert min(drafted[0::2]) >= 0.93 * n
+    assert max(drafted[1::2]) < 0.1 * n
+    assert sum(drafted[1::2]) > 0  # a request left out is tried again now and then
 
 
 def test_a_request_starts_from_the_batch_estimate_and_moves_to_its_own():
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
+    policy = AdaptivePolicy(CHAIN, None)
     old, new = _req(0), _req(1)
     _teach(policy, CHAIN, [old], [5], times=40)
-    assert policy.request_rates(new) == pytest.approx([a / o for a, o in zip(policy.acc, policy.off)])
+    assert policy.request_rates(new) == pytest.approx(policy.rates())
     first = policy.request_rates(new)[0]
-    for n in range(3):
+    for n in range(6):
         policy.observe(1, CHAIN, 0.05, [0], timed=False, reqs=[new])
-    assert policy.request_rates(new)[0] < 0.5 * first  # three rejections weigh more than the prior
+    assert policy.request_rates(new)[0] < 0.5 * first  # its rejections weigh more than the prior
     assert policy.request_rates(old)[0] > 0.9
 
 
-def test_alone_a_request_whose_last_drafts_failed_drafts_again_within_a_few_steps():
-    """Batch 1: a request whose own recent drafts all failed stops drafting, but in plain steps its
-    record fades towards the batch-level rates (which say drafting pays), so it is tried again a few
-    steps later, not after REVISIT_EVERY steps (nothing else would bring it back: no other request
-    drafts). Without the fading it would stay plain for the rest of its answer."""
-    from augury.speculative import adaptive
+def test_requests_that_accept_alike_keep_the_batchs_rate():
+    """Empirical Bayes: among requests whose acceptance is the same, a request's own few draws are
+    mostly noise, and its estimate stays near the batch's; where requests differ, each gets its own."""
+    rng = random.Random(1)
+    alike, mixed = AdaptivePolicy(TREE, None), AdaptivePolicy(TREE, None)
+    for policy, rates in ((alike, [0.6] * 16), (mixed, [0.95, 0.1] * 8)):
+        reqs = [_req(i) for i in range(16)]
+        for _ in range(200):
+            policy.plan(reqs)
+            acc = []
+            for r in rates:
+                a = 0
+                while a < 3 and rng.random() < r:
+                    a += 1
+                acc.append(a)
+            policy.observe(16, TREE, 0.05, acc, timed=False, reqs=reqs)
+        own = [policy.request_rates(r)[0] for r in reqs]
+        if policy is alike:
+            assert max(own) - min(own) < 0.15, own
+        else:
+            assert min(own[0::2]) > 0.8 and max(own[1::2]) < 0.3, own
 
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
-    other, req = _req(0), _req(1)
-    _teach(policy, CHAIN, [other], [4], times=60)  # the batch-level record: long drafts accepted
-    _teach(policy, CHAIN, [req], [0], times=8)  # this request's last eight drafts: all rejected
-    assert policy.plan([req]).shape is None  # its own record says no
-    plain_steps = 1
-    while policy.plan([req]).shape is None:
-        plain_steps += 1
-        assert plain_steps < 30
-    assert plain_steps < adaptive.REVISIT_EVERY // 8
+
+def test_alone_a_request_whose_last_drafts_failed_is_tried_again_with_growing_back_off():
+    """Batch 1: a request whose own drafts failed stops drafting, and is tried again on an optimistic
+    guess after REQ_BACKOFF steps, then after twice that, ... (nothing else would bring it back: no
+    other request drafts); a try that succeeds brings it back for good."""
+    policy = _policy(CHAIN)
+    req = _req(1)
+    _teach(policy, CHAIN, [req], [0], times=12)
+    tries, step = [], 0
+    while len(tries) < 3:
+        step += 1
+        assert step < 20 * REQ_BACKOFF
+        plan = _plan(policy, [req])
+        if plan.drafting:
+            tries.append(step)
+            policy.observe(1, plan.shape, 0.05, [0], timed=False, reqs=[req])
+    assert tries[1] - tries[0] > tries[0] and tries[2] - tries[1] > tries[1] - tries[0]
+    # now it copies: one good try and it drafts every step
+    while not _plan(policy, [req]).drafting:
+        pass
+    for _ in range(3):
+        policy.observe(1, CHAIN, 0.05, [5], timed=False, reqs=[req])
+    assert all(_plan(policy, [req]).drafting for _ in range(10))
 
 
 def test_a_requests_state_goes_with_it():
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
+    policy = AdaptivePolicy(CHAIN, None)
     reqs = [_req(i) for i in range(3)]
     _teach(policy, CHAIN, reqs, [1, 2, 3], times=1)
     assert len(policy.own) == 3
@@ -209,20 +238,22 @@ def test_a_requests_state_goes_with_it():
 
 
 def test_a_mixed_steps_time_is_scaled_to_the_whole_shape():
-    """Half the rows left out: the drafting part of the measured time is scaled up by the cost
-    model's share, so the measurement stands for the whole shape at this batch size."""
-    from augury.speculative.adaptive import MIN_SEEN
+    """Half the rows left out: the drafting part of the measured time is scaled up by their share,
+    so the measurement stands for the whole shape at this batch size; a sliver is not timed."""
+    from augury.speculative.arms import MIN_SEEN
 
-    policy = AdaptivePolicy(CHAIN, None, **COSTS)
-    t0, t5 = policy.step_times(8)[0], policy.step_times(8)[5]
+    policy = AdaptivePolicy(CHAIN, None)
+    teach_times(policy, 8, 0.040, {})
     share = policy.drafting_share(8, 5, [5, 5, 5, 5, 0, 0, 0, 0])
     assert 0.4 < share < 0.6
+    t5 = 0.080
     for _ in range(MIN_SEEN):
         # half the rows drafted: the step took the plain time plus that share of the extra
-        policy.observe(8, CHAIN, t0 + share * (t5 - t0), [1, 1, 1, 1], sizes=[6, 6, 6, 6, 1, 1, 1, 1])
-    assert policy.step_time(8, 5) == pytest.approx(t5, rel=1e-6)
+        policy.observe(8, CHAIN, 0.040 + share * (t5 - 0.040), [1, 1, 1, 1], sizes=[6, 6, 6, 6, 1, 1, 1, 1])
+    bk = policy.buckets[8]
+    assert bk.arm(5).seconds() == pytest.approx(t5, rel=1e-6)
     policy.observe(8, CHAIN, 99.0, [1], sizes=[2] + [1] * 7)  # a sliver of the shape: not timed
-    assert policy.step_time(8, 5) == pytest.approx(t5, rel=1e-6)
+    assert bk.arm(5).seconds() == pytest.approx(t5, rel=1e-6)
 
 
 # -------------------------------------------------------------------------------- engine
@@ -274,14 +305,13 @@ def _run_staggered(llm: LLM, prompts, params) -> list:
 
 
 def _fixed_costs_and_spy(policy: AdaptivePolicy, per_node: float) -> list:
-    """Give the policy a fixed cost model (40 ms a step plus per_node a verified node; measured times
-    ignored), so its decisions depend on acceptance alone; returns the list its plans are recorded in,
-    as (each request's own max_draft_tokens, the StepPlan)."""
-    policy.target_cost, policy.draft_cost = LinearCost(0.040, 0.0, per_node), LinearCost(0.0, 0.0, 0.0)
-    policy.measured.clear()
-    policy.scale.clear()
-    observe, plan = policy.observe, policy.plan
-    policy.observe = lambda *a, **kw: observe(*a, **{**kw, "timed": False})
+    """Give the policy a fake clock (40 ms a step plus per_node a verified node, whatever the wall
+    clock said), so its decisions depend on acceptance alone; returns the list its plans are recorded
+    in, as (each request's own max_draft_tokens, the StepPlan)."""
+    for b in range(1, 9):  # as if measured already, at every batch size these tests run
+        teach_times(policy, b, 0.040, {d: 0.040 + per_node * b * policy.shape_for(d).num_drafts for d in policy.depths()})
+    fake_clock(policy, 0.040, per_node)
+    plan = policy.plan
     plans = []
 
     def spy(reqs):
@@ -323,7 +353,7 @@ def test_per_request_budgets_greedy_equal_plain(ckpts, algorithm):
                   max_num_seqs=8)
     policy = llm.engine.speculator.policy
     assert isinstance(policy, AdaptivePolicy)
-    plans = _fixed_costs_and_spy(policy, 0.001)
+    plans = _fixed_costs_and_spy(policy, 0.003)
     outs = _run_staggered(llm, prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                                                         max_draft_tokens=c) for m, c in zip(lens, caps)])
     assert [o.token_ids for o in outs] == want
@@ -335,7 +365,7 @@ def test_per_request_budgets_greedy_equal_plain(ckpts, algorithm):
         elif cap is not None:
             assert s.num_draft_tokens <= cap * s.num_verify_steps
     # steps where an uncapped request got nothing while another drafted
-    assert sum(bool(p.drafting) and any(u is None and c == 0 for u, c in zip(user, p.caps)) for user, p in plans) >= 5
+    assert sum(bool(p.drafting) and any(u is None and c == 0 for u, c in zip(user, p.caps)) for user, p in plans) >= 3
     # the copying requests drafted in most of their steps and were accepted deep; the random ones seldom
     # (a request's steps: its tokens less those accepted from drafts)
     drafted = [o.spec_stats.num_verify_steps / (len(o.token_ids) - o.spec_stats.num_accepted_draft_tokens)

@@ -134,7 +134,7 @@ def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: b
             raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) leaves a context of {max(max_len, 0)} "
                              f"tokens (under {MIN_CONTEXT}); raise num_kv_blocks or kv_cache_memory_gb")
         kv = KVCache(tcfg.num_layers, num_blocks, bs, local.num_kv_heads, tcfg.head_dim, dtype, device)
-        speculator = plan.build(num_blocks, bs, config.max_num_seqs) if plan is not None else None
+        speculator = plan.build(num_blocks, bs, config.max_num_seqs, warming=warmup) if plan is not None else None
         attention = PagedBackend(kv.k, kv.v, bs)
         if ranks is not None:  # every rank sizes its cache alike; the engine drives them all from here
             model, kv, attention = ranks.attach(model, kv, attention, folder, num_blocks, bs)
@@ -165,7 +165,9 @@ def _as_folders(config: EngineConfig) -> ResolvedModel:
 
 
 def run_warmup(engine: Engine) -> None:
-    """One short greedy request through the whole path; it must finish and free its blocks."""
+    """One short greedy request through the whole path (a speculator warming up alternates plain and
+    drafting steps, and tells its policy nothing); it must finish and free its blocks. Nothing is
+    profiled: the adaptive policy measures both arms online, each batch bucket starting plain."""
     free_before = engine.allocator.num_free
     rid = engine.add_request([engine.model_cfg.bos_token_id or 1] * 4,
                              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "warmup")

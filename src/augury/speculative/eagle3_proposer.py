@@ -12,10 +12,9 @@ import torch
 from augury.attention import masked_metadata
 from augury.core.kv_cache import KVCache, slot_of
 from augury.core.request import Request
-from augury.core.timing import time_call
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head, default_aux_layers
-from augury.speculative.interface import CostSample, TargetHost
+from augury.speculative.interface import TargetHost
 from augury.speculative.ngram import lookup
 from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, graft_chains, select_tree
@@ -199,25 +198,6 @@ class Eagle3Proposer:
         if self.ngram_branch:
             tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
         return tree
-
-    @torch.inference_mode()
-    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
-        """Head forward + logits + top-k for B requests x n rows over `ctx` keys."""
-        head, dev, dtype = self.head, self.device, self.dtype
-        samples = []
-        for b in batch_sizes:
-            for n in sorted({1, max(topk, 4)}):
-                toks = torch.ones(b, n, dtype=torch.long, device=dev)
-                h = torch.zeros(b, n, head.cfg.hidden_size, dtype=dtype, device=dev)
-                pos = torch.full((b, n), ctx, dtype=torch.long, device=dev)
-                kv = torch.zeros(b, ctx, head.nkv, head.hd, dtype=dtype, device=dev)
-
-                def run():
-                    out, _, _ = head(toks, h, pos, (kv, kv), None, False)
-                    head.logits(out).topk(topk, dim=-1)
-
-                samples.append((b, n, time_call(run, dev)))
-        return samples
 
 
 def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,6 @@ engine, the EAGLE-3 and n-gram proposers and the static and adaptive policies sa
 structurally, and nothing probes them with getattr/hasattr."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,9 +12,6 @@ from augury.core.request import Request
 from augury.core.stats import EngineStats
 from augury.speculative.policy import StepPlan, TreeShape
 from augury.speculative.tree import DraftTree
-
-# (batch size, tokens per request, seconds): one profiled forward, for a cost model
-CostSample = tuple[int, int, float]
 
 
 class TargetHost(Protocol):
@@ -43,8 +39,6 @@ class TargetHost(Protocol):
 
     def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int: ...
 
-    def scratch_forward(self, batch: int, n: int, ctx: int) -> Callable[[], None] | None: ...
-
 
 class Proposer(Protocol):
     needs_aux: bool  # reads the target's aux-layer features (EAGLE-3)
@@ -55,12 +49,10 @@ class Proposer(Protocol):
         """One draft tree per request, node 0 the last committed token."""
         ...
 
-    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
-        """Timed drafting forwards for a cost model ([] when drafting costs next to nothing)."""
-        ...
-
 
 class SpeculationPolicy(Protocol):
+    max_shape: TreeShape  # the configured tree: the most it drafts
+
     def choose(self, batch_size: int) -> TreeShape | None:
         """The tree to draft this step if every request drafted all of it, or None: decode plainly
         (the batch-level rule)."""
@@ -81,8 +73,6 @@ class SpeculationPolicy(Protocol):
         (None: every row verified the whole shape)."""
         ...
 
-    def observe_plain(self, batch_size: int, seconds: float) -> None: ...
-
-    def calibrate(self, host: TargetHost, proposer: Proposer, max_num_seqs: int) -> None:
-        """Start-up profiling, once the engine has passed its warm-up."""
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        """The time a plain decode step of this batch size took (the engine times it)."""
         ...

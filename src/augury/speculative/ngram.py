@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.core.request import Request
-from augury.speculative.interface import CostSample, TargetHost
+from augury.speculative.interface import TargetHost
 from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, chain_tree
 
@@ -39,6 +39,3 @@ class NgramProposer:
             drafts.append(d + [d[-1] if d else toks[-1]] * (k - len(d)))
         roots = torch.tensor([r.last_token_id for r in reqs])
         return chain_tree(roots, torch.tensor(drafts, dtype=torch.long).view(len(reqs), k))
-
-    def profile(self, host: TargetHost, batch_sizes: list[int], topk: int, ctx: int) -> list[CostSample]:
-        return []  # a lookup in Python: next to nothing beside a target forward

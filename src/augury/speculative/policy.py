@@ -4,7 +4,7 @@ how many of its tree's draft nodes it keeps (a StepPlan).
 StaticPolicy always drafts the configured tree, unless more requests are running than
 the disable threshold (the seed's rule); each request keeps what its own max_draft_tokens allows.
 AdaptivePolicy (speculative/adaptive.py) picks, per step, the shape and the per-request budgets
-that maximise expected tokens per second, capped by the same threshold.
+that maximise tokens per second as measured on this machine, capped by the same threshold.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def user_caps(reqs: Sequence[Request]) -> tuple[int | None, ...]:
 
 class StaticPolicy:
     def __init__(self, shape: TreeShape, disable_batch_threshold: int | None) -> None:
-        self.shape = shape
+        self.shape = self.max_shape = shape
         self.threshold = disable_batch_threshold
 
     def choose(self, batch_size: int) -> TreeShape | None:
@@ -68,6 +68,3 @@ class StaticPolicy:
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """Feedback after a plain decode step (nothing to learn here)."""
-
-    def calibrate(self, host, proposer, max_num_seqs: int) -> None:
-        """Start-up profiling (nothing to measure for a fixed tree)."""

@@ -20,7 +20,7 @@ from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import token_logprobs
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
-from augury.speculative.policy import StaticPolicy, TreeShape
+from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
@@ -37,19 +37,25 @@ class Speculator:
     (the engine's `Speculator` protocol), talking to the engine only as a TargetHost."""
 
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, max_num_seqs: int,
-                 catch_up_window: int = 128) -> None:
+                 catch_up_window: int = 128, warming: bool = False) -> None:
         self.proposer = proposer
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.catch_up_window = catch_up_window  # most target features kept per request for the head
         self.needs_aux = proposer.needs_aux
         self.aux_layers = proposer.aux_layers
+        # warming up: decode steps alternate plain and drafting the whole tree, so the warm-up request
+        # runs both paths; the policy is neither asked nor told (its measurements start clean)
+        self.warming = warming
+        self._warm_steps = 0
 
     def after_warmup(self, host: TargetHost) -> None:
-        self.policy.calibrate(host, self.proposer, self.max_num_seqs)
+        """The warm-up passed: from now on the policy decides, and every step it is told of counts."""
+        self.warming = False
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
-        self.policy.observe_plain(batch_size, seconds)
+        if not self.warming:
+            self.policy.observe_plain(batch_size, seconds)
 
     def step(self, host: TargetHost, reqs: list[Request]) -> bool:
         """Speculate for this decode batch; False means the caller should decode plainly.
@@ -66,7 +72,7 @@ class Speculator:
             caps: list[int | None] = [0] * len(reqs)
             shape = None
         else:
-            plan = self.policy.plan(reqs)
+            plan = self._warm_plan(reqs) if self.warming else self.policy.plan(reqs)
             shape = plan.shape
             # a request's own cap holds whatever the policy says
             caps = [_tighter(c, r.params.max_draft_tokens) if self._ready(r) else 0 for c, r in zip(plan.caps, reqs)]
@@ -81,8 +87,10 @@ class Speculator:
             return False
         sub = [reqs[i] for i in drafting]
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
-        # itself; its time would make speculation look dear, so the policy only learns its acceptance
-        backlog = max((r.num_computed - r.draft_len for r in sub), default=0) if self.needs_aux else 0
+        # itself; its time would make speculation look dear, so the policy only learns its acceptance.
+        # Timed: the rows caught up on no more than drafting leaves, on average (one plain step
+        # between drafting ones, the policy's exploration of plain decoding, or a new request among many)
+        backlog = sum(r.num_computed - r.draft_len for r in sub) if self.needs_aux else 0
         t0 = clock(host.device)
         drafted = self.proposer.propose(host, sub, shape)
         tree = cap_trees(drafted, [caps[i] for i in drafting])
@@ -91,11 +99,19 @@ class Speculator:
         tree = grammar_trees(tree, reqs, lookahead)
         accepted, offered, rows = self.verify_and_commit(host, reqs, tree)
         # the row sizes tell the policy what share of the whole shape's cost this step drafted
-        self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
-                            timed=backlog <= shape.num_steps + 1, offered=offered,
-                            reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
+        if not self.warming:
+            self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
+                                timed=backlog <= (shape.num_steps + 2) * len(sub), offered=offered,
+                                reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
         host.stats.steps_spec += 1
         return True
+
+    def _warm_plan(self, reqs: list[Request]) -> StepPlan:
+        """A warm-up step: plain, then the whole tree (each request's own cap holds), in turn."""
+        self._warm_steps += 1
+        if self._warm_steps % 2:
+            return StepPlan(None, tuple(0 for _ in reqs))
+        return StaticPolicy(self.policy.max_shape, None).plan(reqs)
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -229,7 +245,8 @@ class DraftPlan:
 
         return KVCache.bytes_per_token(1, self.head.nkv, self.head.hd, self.head.dtype)
 
-    def build(self, num_blocks: int, block_size: int, max_num_seqs: int) -> Speculator:
+    def build(self, num_blocks: int, block_size: int, max_num_seqs: int, warming: bool = False) -> Speculator:
+        """warming: the engine runs a warm-up request before traffic (Speculator.after_warmup ends it)."""
         if self.algorithm == "ngram":
             from augury.speculative.ngram import NgramProposer
 
@@ -245,7 +262,7 @@ class DraftPlan:
             policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
-        return Speculator(proposer, policy, max_num_seqs)
+        return Speculator(proposer, policy, max_num_seqs, warming=warming)
 
 
 def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, dtype: torch.dtype,

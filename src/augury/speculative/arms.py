@@ -1,0 +1,196 @@
+"""What speculation's two arms measured, per batch bucket: step times, realized goodput, and
+the guard with its back-off. The adaptive policy (adaptive.py) decides from these.
+
+An arm is a draft depth: 0 is plain decoding, d > 0 drafting d levels. Per bucket (batch sizes
+within a factor of 1.5 of each other) and arm, the wall time of the last WINDOW steps that did
+nothing else (a step that also caught the head up on a backlog is not timed; a step whose rows
+drafted only part of the shape is scaled up to the whole shape, see AdaptivePolicy.observe); an
+arm's estimate is their median, once it has MIN_SEEN of them, and no arm's figure is derived from
+another's. A probe re-measures one arm from scratch: its old window is replaced by MIN_SEEN fresh
+steps, so no median stays frozen at what an arm cost long ago.
+
+The guard: while a bucket speculates, the realized goodput of its last speculative steps as they
+ran (tokens emitted over the median step time) is compared with plain decoding's in the same bucket
+(its last plain steps, explored while speculating); below GUARD_MARGIN of it, speculation goes off
+for the bucket whatever the prediction says, and is tried again (a probe) after a back-off that
+doubles each time it loses again (BASE_BACKOFF .. MAX_BACKOFF bucket steps) and falls back to the
+base once speculation has held for RESET_AFTER steps; where drafting steps are dear, probes are
+spaced so that they cost at most EXPLORE_BUDGET of the time.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+WINDOW = 15  # timed steps kept per (bucket, arm)
+TRIM = 0.2  # an arm's estimate drops this share of its slowest and of its fastest steps (a shared machine's spikes)
+MIN_SEEN = 5  # timed steps of an arm before its median counts (and a probe's length, timed)
+PROBE_STEPS = MIN_SEEN + 3  # most steps a probe runs (its first step may catch up a backlog, untimed)
+GUARD_WINDOW = 32  # speculative steps, as run, whose realized goodput the guard judges
+GUARD_MIN = 16  # ... at least this many before it judges (and again every GUARD_MIN // 2 steps)
+GUARD_MARGIN = 0.95  # realized speculative goodput under this share of plain's: speculation off
+BASE_BACKOFF, MAX_BACKOFF = 32, 256  # bucket steps before a losing arm is tried again (doubling)
+EXPLORE_BUDGET = 0.04  # ... and at least so many that probing costs at most this share of the time
+PROBE_COST = 3  # steps a probe of a losing arm takes (it stops once two timed steps show it cannot pay)
+MAX_SPACING = 1024  # but never more steps than this between probes
+RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
+
+
+def bucket_of(batch: int) -> int:
+    """The bucket of a batch size: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ... (the largest in it)."""
+    if batch <= 4:
+        return max(batch, 1)
+    p = 1 << (batch - 1).bit_length()
+    return p * 3 // 4 if batch <= p * 3 // 4 else p
+
+
+class Arm:
+    """One (bucket, depth): its last WINDOW timed steps as (tokens, seconds)."""
+
+    __slots__ = ("recent", "fresh", "last")
+
+    def __init__(self) -> None:
+        self.recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self.fresh: list[tuple[float, float]] | None = None  # a probe's steps, replacing `recent` once enough
+        self.last = -1  # bucket step of its last timed step
+
+    def add(self, tokens: float, seconds: float, step: int) -> None:
+        self.last = step
+        if self.fresh is None:
+            self.recent.append((tokens, seconds))
+            return
+        self.fresh.append((tokens, seconds))
+        if len(self.fresh) >= MIN_SEEN:
+            self.recent = deque(self.fresh, maxlen=WINDOW)
+            self.fresh = None
+
+    def seconds(self) -> float | None:
+        """Median seconds per step, or None before MIN_SEEN timed steps."""
+        if len(self.recent) < MIN_SEEN:
+            return None
+        return trimmed_mean([s for _, s in self.recent])
+
+    def rough(self) -> float | None:
+        """Median seconds of whatever it has (a probe's steps first), None if nothing."""
+        got = self.fresh or self.recent
+        return trimmed_mean([s for _, s in got]) if got else None
+
+    def goodput(self) -> float | None:
+        """Realized tokens per second: mean tokens per step over the median step time."""
+        t = self.seconds()
+        return None if t is None else statistics.fmean(k for k, _ in self.recent) / max(t, 1e-12)
+
+
+class Bucket:
+    """A batch bucket's measurements and its speculation state."""
+
+    def __init__(self) -> None:
+        self.arms: dict[int, Arm] = {}
+        self.real: deque[tuple[float, float]] = deque(maxlen=GUARD_WINDOW)  # speculative steps since on
+        self.unjudged = 0  # of them, since the guard last judged
+        self.steps = 0  # decisions taken for this bucket
+        self.on = False  # speculating (the decision rule's state, for its hysteresis)
+        self.blocked = False  # the guard turned speculation off: nothing drafts until the next probe
+        self.probe: int | None = None  # the arm being probed, if any
+        self.probe_left = 0
+        self.probe_at = 0  # bucket step from which a losing speculation is probed again
+        self.backoff = BASE_BACKOFF
+        self.on_since = 0
+        self.decided = False  # a first decision was logged
+
+    def arm(self, depth: int) -> Arm:
+        a = self.arms.get(depth)
+        if a is None:
+            a = self.arms[depth] = Arm()
+        return a
+
+    def times(self, depths: list[int], deepest: int) -> list[float | None]:
+        """Estimated seconds per step at depth 0..deepest: the measured median where there is one;
+        a depth not measured yet (a chain's) lies on the line between its measured neighbours (an
+        optimistic guess: choosing it measures it), None beyond the deepest measured one; never
+        less than a shallower depth's (more drafting cannot be cheaper)."""
+        t: list[float | None] = [self.arm(d).seconds() if d in self.arms else None for d in range(deepest + 1)]
+        known = [d for d in range(deepest + 1) if t[d] is not None and (d == 0 or d in depths)]
+        out: list[float | None] = []
+        for d in range(deepest + 1):
+            v = t[d] if d in known else None
+            if v is None and d and d in depths:
+                lo = max((k for k in known if k < d), default=None)
+                hi = min((k for k in known if k > d), default=None)
+                if lo is not None and hi is not None:
+                    v = t[lo] + (t[hi] - t[lo]) * (d - lo) / (hi - lo)
+            if v is not None and out and out[-1] is not None:
+                v = max(v, out[-1])
+            out.append(v)
+        return out
+
+    def start_probe(self, depth: int) -> None:
+        self.probe, self.probe_left = depth, PROBE_STEPS
+        self.arm(depth).fresh = []
+
+    def end_probe(self) -> None:
+        """A probe that timed fewer than MIN_SEEN steps adds what it got to the old window."""
+        a = self.arm(self.probe)
+        for tokens, seconds in a.fresh or []:
+            a.recent.append((tokens, seconds))
+        a.fresh = None
+        self.probe = None
+        self.blocked = False
+
+    def probe_done(self) -> bool:
+        return self.probe_left <= 0 or self.arm(self.probe).fresh is None
+
+    def lost(self) -> None:
+        """Speculation lost here (a probe, the guard, the prediction): try again after the back-off,
+        doubled, or later where a probe costs more than EXPLORE_BUDGET of the steps between (a
+        drafting step at several times a plain step's cost is probed that much more rarely)."""
+        dear = PROBE_COST * (self.cost_ratio() - 1.0) / EXPLORE_BUDGET
+        self.probe_at = self.steps + max(self.backoff, min(math.ceil(dear), MAX_SPACING))
+        self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+
+    def cost_ratio(self) -> float:
+        """The cheapest measured drafting step over a plain step (1 when either is unknown)."""
+        t0 = self.arm(0).seconds()
+        spec = [t for d, a in self.arms.items() if d and (t := a.rough()) is not None]
+        return max(1.0, min(spec) / t0) if t0 and spec else 1.0
+
+    def switch(self, on: bool) -> None:
+        if on and not self.on:
+            self.on_since = self.steps
+            self.real.clear()
+        elif not on and self.on:
+            self.lost()
+        elif on and self.steps - self.on_since >= RESET_AFTER:
+            self.backoff = BASE_BACKOFF
+        self.on = on
+
+    def realized(self) -> float | None:
+        """Realized goodput of the speculative steps since speculation went on (None: too few)."""
+        if len(self.real) < GUARD_MIN:
+            return None
+        return statistics.fmean(k for k, _ in self.real) / max(trimmed_mean([s for _, s in self.real]), 1e-12)
+
+    def guard(self) -> tuple[float, float] | None:
+        """(speculative, plain) realized goodput when speculation loses by more than the margin (the
+        guard then turns it off and blocks it until the next probe), else None."""
+        self.unjudged += 1
+        if self.unjudged < GUARD_MIN // 2:  # judged every few steps, not on every overlapping window
+            return None
+        self.unjudged = 0
+        spec, plain = self.realized(), self.arm(0).goodput()
+        if spec is None or plain is None or spec >= GUARD_MARGIN * plain:
+            return None
+        self.on = False
+        self.blocked = True
+        self.real.clear()
+        self.lost()
+        return spec, plain
+
+
+def trimmed_mean(xs: list[float]) -> float:
+    """The mean of xs without its TRIM share of lowest and of highest values: robust to spikes like a
+    median, and closer to the mean it estimates when the noise is not (a median wastes most samples)."""
+    xs = sorted(xs)
+    cut = int(len(xs) * TRIM)
+    return statistics.fmean(xs[cut: len(xs) - cut])
