@@ -69,8 +69,10 @@ class GrammarBackend:
 
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer  # the engine's: forced text is encoded on the engine thread only
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
+        self.token_bytes: list[bytes] = list(self.info.decoded_vocab)  # each token's text, as bytes
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
                                             cache_limit_bytes=cache_bytes)
         self.stats = ShapingStats()

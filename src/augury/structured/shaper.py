@@ -144,10 +144,38 @@ class RequestShaper:
 
     # ----------------------------------------------------------------- drafts
     def forced_tokens(self, limit: int = MAX_FORCED) -> list[int]:
-        """Tokens the grammar forces from the current state (jump-forward), at most `limit`."""
-        if self.matcher is None or self._off_grammar or self.matcher.is_terminated() or limit <= 0:
+        """Tokens the grammar forces from the current state (jump-forward), at most `limit`.
+
+        The forced text is tokenized as the model's tokenizer writes it (the target was trained on
+        that: xgrammar's own greedy longest-match tokens split e.g. SmolLM2's "hobbies" as ho|bb|ies
+        where the tokenizer, and the model under the mask, write h|ob|bies), as far as xgrammar's
+        tokens reach (past that a token could still merge with the text the model writes next),
+        each token checked with the matcher; xgrammar's tokens where the two disagree."""
+        m = self.matcher
+        if m is None or self._off_grammar or m.is_terminated() or limit <= 0:
             return []
-        return list(self.matcher.find_jump_forward_tokens())[:limit]
+        fallback = list(m.find_jump_forward_tokens())
+        if not fallback:
+            return []
+        vocab = self.backend.token_bytes
+        safe = sum(len(vocab[t]) for t in fallback)  # bytes xgrammar deems safe to force
+        text = m.find_jump_forward_string()
+        ids, seen = [], 0
+        for t in self.backend.tokenizer.encode(text, add_special_tokens=False):
+            seen += len(vocab[t]) if t < len(vocab) else safe + 1
+            if seen > safe or len(ids) == limit:
+                break
+            ids.append(t)
+        accepted = 0
+        for t in ids:
+            if not m.accept_token(t):
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        if accepted < len(ids) or not ids or b"".join(vocab[t] for t in ids) != text.encode()[: sum(len(vocab[t]) for t in ids)]:
+            return fallback[:limit]
+        return ids
 
     def plan_tree(self, tokens: Sequence[int], parents: Sequence[int], size: int,
                   capacity: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
