@@ -275,3 +275,81 @@ def test_two_ranks_fused_stack_speculative_equals_plain(tmp_path, monkeypatch, s
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     finally:
         _close(llm)
+
+
+# ------------------------------------------------------------------------------ serving and faults
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@TWO_CORES
+def test_a_two_rank_server_answers_the_openai_client_and_exits_when_a_rank_is_killed(tmp_path_factory) -> None:
+    import signal
+    import time
+
+    import httpx
+    import openai
+
+    from helpers_server import serve, shared_tiny_checkpoint
+
+    folder = shared_tiny_checkpoint(tmp_path_factory)
+    with serve(["--model", str(folder), "--dtype", "float32", "--tensor-parallel-size", "2",
+                "--speculative-algorithm", "none"]) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        card = client.models.list().data[0]
+        assert card.model_extra["tensor_parallel_size"] == 2
+        assert card.model_extra["tensor_parallel_backend"].startswith("gloo")
+        answer = client.completions.create(model=card.id, prompt="hello world", max_tokens=8, temperature=0.0)
+        assert answer.usage.completion_tokens == 8
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert 'augury:tensor_parallel_info{backend="gloo + shared memory",model_name=' in metrics
+        workers = _children(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        code = server.proc.wait(timeout=60)
+        assert time.monotonic() - start < 60 and code != 0
+        time.sleep(0.5)  # the pump thread's last lines
+        assert f"tensor-parallel rank 1 (pid {workers[0]}) was killed by SIGKILL" in server.log
+        assert not any(_alive(p) for p in workers)
+
+
+@TWO_CORES
+def test_a_hung_rank_is_named_and_stopped_within_the_timeout(tiny_checkpoint) -> None:
+    import signal
+    import time
+
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", device="cpu", speculative_algorithm="none",
+              log_stats_interval=0.0, tensor_parallel_size=2, dist_timeout=3.0)
+    try:
+        workers = _children(os.getpid())
+        worker = [p for p in workers if _alive(p)][-1]
+        os.kill(worker, signal.SIGSTOP)  # alive, silent: no heartbeat, never at the next collective
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 stopped responding"):
+            llm.generate(random_prompts([5], seed=1), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 20
+        time.sleep(0.2)
+        assert not _alive(worker)
+    finally:
+        _close(llm)
+    assert not torch.distributed.is_initialized()

@@ -89,7 +89,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty")
     engine_kwargs = config.given_options(args)
     model = engine_kwargs.pop("model") or config.OPTION["model"].default
+    from augury.distributed import launch
     from augury.llm import LLM
+
+    launch.exit_on_failure()  # this process is augury's: a tensor-parallel rank that fails ends it, one line
 
     llm = LLM(model, **engine_kwargs)
     chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))

@@ -34,6 +34,7 @@ class SystemSettings:
     gguf: str | None = None  # the GGUF file the peer systems (llama.cpp) load: the same weights
     threads: int | None = None  # CPU threads of every system (torch's intra-op threads, llama.cpp's n_threads)
     eos_ids: tuple[int, ...] | None = None  # the checkpoint's end-of-sequence ids (None: each system reads them)
+    tensor_parallel_size: int = 1  # augury systems: ranks (each cores / N threads, pinned; augury/distributed)
 
 
 class System(Protocol):
@@ -54,6 +55,8 @@ class AugurySystem:
         kwargs: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device,
                                       max_num_seqs=settings.max_batch_size, max_model_len=settings.max_len,
                                       log_stats_interval=0.0, quantization=settings.quantization)
+        if settings.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = settings.tensor_parallel_size
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
@@ -330,7 +333,22 @@ SHAPED = ("augury-static", "augury-adaptive")
 def system_factory(name: str) -> SystemFactory:
     """The factory for a system name: a registered one, or a speculative one with a tree shape;
     an augury system may end in @MODE to run its weights in that quantisation mode (augury-off@none:
-    dense), whatever --quantization says for the others."""
+    dense), whatever --quantization says for the others, and in @tpN to run on N tensor-parallel ranks
+    (augury-off@tp2; each rank cores / N threads, whatever --threads says)."""
+    base_name, at, tp = name.rpartition("@")
+    if at and tp.startswith("tp") and tp[2:].isdigit():
+        if not base_name.startswith("augury") or int(tp[2:]) < 1:
+            raise ValueError(f"system {name!r}: only augury systems take @tpN, N a positive integer")
+        inner_tp = system_factory(base_name)
+
+        def with_ranks(settings: SystemSettings) -> System:
+            from dataclasses import replace
+
+            system = inner_tp(replace(settings, tensor_parallel_size=int(tp[2:])))
+            system.name = name
+            return system
+
+        return with_ranks
     base_name, at, mode = name.partition("@")
     if at:
         from augury.config import QUANTIZATIONS

@@ -64,6 +64,7 @@ class BenchSettings:
     random_config: dict[str, Any] = field(default_factory=dict)
     quantization: str = "auto"
     gguf: str | None = None  # GGUF file for the llama.cpp system (default: the model's own, when it is one)
+    tensor_parallel_size: int = 1  # augury systems' tensor-parallel ranks (a system's @tpN overrides it)
 
 
 @dataclass
@@ -343,7 +344,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
-                            tuple(sorted(_eos_ids(folder))))
+                            tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size)
     systems = start_workers(list(settings.systems), shared, user_env)  # one process per system, loaded
     try:
         rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat, kinds)
@@ -413,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = BenchSettings()
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     # the engine options the benchmark passes on to its systems, from the one table (config.OPTIONS)
-    add_flags(p, ("model", "dtype", "device", "draft_model", "threads", "quantization", "speculative_policy"),
+    add_flags(p, ("model", "dtype", "device", "draft_model", "threads", "quantization", "speculative_policy",
+                  "tensor_parallel_size"),
               model=dict(default=d.model, help=OPTION["model"].help + ", or 'random' (a ~30M-parameter "
                          "random Llama written into --out)"),
               dtype=dict(default=d.dtype, choices=["float32", "bfloat16", "float16"],
@@ -423,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                                help="EAGLE-3 head folder for the augury-static/adaptive systems",
                                default=None),
               threads=dict(default=None), quantization=dict(default=d.quantization),
+              tensor_parallel_size=dict(default=1, help="tensor-parallel ranks of every augury system (a system "
+                                        "named NAME@tpN takes N instead); each rank gets cores / N threads"),
               speculative_policy=dict(default="adaptive", choices=["adaptive", "static"],
                                       help="--workload document / multi-turn: both engines' speculation policy "
                                       "(static compares acceptance on the same trees; throughput systems name "
@@ -508,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
             draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
-            stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf)
+            stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf,
+            tensor_parallel_size=args.tensor_parallel_size)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:

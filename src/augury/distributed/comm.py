@@ -46,6 +46,7 @@ GATHER_ROWS = 256  # rows of logits one shared-memory gather carries (a verified
 HEADER = 4096  # forward.cpp's Exchange::HEADER: one 64-byte counter line per rank
 MAILBOX = 1 << 20  # bytes per command buffer (a longer command goes in pieces)
 SPIN_US = 2000  # a rank waiting for the next command spins this long before it sleeps
+GRACE = 5.0  # collectives give up this long after the watchdog would have named a silent rank
 
 
 class Group:
@@ -58,7 +59,7 @@ class Group:
         self.watchdog = None  # set by whoever starts one (launch.py, worker.py): names a failed rank
         self.failure: str | None = None  # the first failure seen, once there is one
         self.shared: Shared | None = None  # every rank on this machine: the shared-memory channel
-        self.timeout = 0.0
+        self.timeout = 0.0  # the watchdog's; collectives wait a little longer, so that it names the rank
         # seconds and calls per kind of collective (the benchmark's "all-reduce time per step")
         self.seconds = {"all_reduce": 0.0, "command": 0.0, "logits": 0.0}
         self.calls = {"all_reduce": 0, "command": 0, "logits": 0}
@@ -68,7 +69,7 @@ class Group:
         """Join the process group through `store` (every rank calls this at the same time)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore("augury/pg", store), rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout + GRACE))
         compute = dist.group.WORLD
         command = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
         group = Group(rank, size, backend, device, compute, command)
@@ -155,7 +156,7 @@ class Group:
 
     # ------------------------------------------------------------------ failures and the end
     def _late(self, what: str) -> None:
-        raise RuntimeError(f"a rank did not arrive at the {what} within {self.timeout:g} s")
+        raise RuntimeError(f"a rank did not arrive at the {what} within {self.timeout + GRACE:g} s")
 
     def _failing(self, what: str) -> "_Failing":
         return _Failing(self, what)
@@ -163,7 +164,7 @@ class Group:
     def explain(self, what: str, exc: BaseException) -> str:
         """The one line a failed collective raises: the rank the watchdog found dead or silent, if any."""
         if self.failure is None and self.watchdog is not None:
-            self.watchdog.check_now()
+            self.watchdog.blame()
         if self.failure is not None:
             return self.failure
         return f"tensor-parallel {what} failed on rank {self.rank}: {' '.join(str(exc).split())}"
@@ -189,7 +190,7 @@ class Shared:
     length and a last-piece flag, 8 spare, then the data)."""
 
     def __init__(self, path: Path, rank: int, size: int, cap: int, timeout: float, lib) -> None:
-        self.rank, self.size, self.cap, self.timeout_ms = rank, size, cap, int(timeout * 1000)
+        self.rank, self.size, self.cap, self.timeout_ms = rank, size, cap, int((timeout + GRACE) * 1000)
         self.lib = lib
         nbytes = Shared.nbytes(size, cap)
         fd = os.open(path, os.O_RDWR)
@@ -211,6 +212,11 @@ class Shared:
         # forward.cpp's exchange (the fused stack's and augury_shm_exchange's) starts at HEADER
         self.kernel_view = SharedExchange(self.base + HEADER, rank, size, cap, self.counter, self.timeout_ms)
         self._exchange_base = ctypes.c_void_p(self.base + HEADER)
+        self._abort = self.base + 2 * HEADER - 64  # forward.cpp's Exchange::abort_flag
+
+    def abort(self) -> None:
+        """Every rank's waits in this channel end now (a rank has failed: the watchdog's call)."""
+        self.lib.publish(self._abort, 1)
 
     @staticmethod
     def nbytes(size: int, cap: int) -> int:
@@ -251,7 +257,7 @@ class Shared:
         for j, piece in enumerate(pieces):
             k = self.posts + 1
             for r in range(1, self.size):  # the buffer's last piece (k - 2) was taken by every rank
-                if self.lib.wait(self._counter(1 + r), k - 2, self.timeout_ms, 0):
+                if self.lib.wait(self._counter(1 + r), k - 2, self.timeout_ms, 0, self._abort):
                     late("command mailbox")
             box = self.boxes[k & 1]
             box[:8].view(torch.int64)[0] = len(piece) | ((j == len(pieces) - 1) << 62)
@@ -264,7 +270,8 @@ class Shared:
         out = bytearray()
         while True:
             k = self.posts + 1
-            self.lib.wait(self._counter(0), k, 0, SPIN_US)  # as long as it takes: the watchdog covers rank 0
+            if self.lib.wait(self._counter(0), k, 0, SPIN_US, self._abort):  # as long as it takes: the watchdog
+                raise RuntimeError("the tensor-parallel ranks were stopped")   # covers rank 0
             box = self.boxes[k & 1]
             word = int(box[:8].view(torch.int64)[0])
             n, last = word & ((1 << 62) - 1), bool(word >> 62)
@@ -286,7 +293,7 @@ class SharedLib:
         self.publish = lib.augury_shm_publish
         self.publish.argtypes, self.publish.restype = [P, I64], None
         self.wait = lib.augury_shm_wait
-        self.wait.argtypes, self.wait.restype = [P, I64, I64, I64], ctypes.c_int
+        self.wait.argtypes, self.wait.restype = [P, I64, I64, I64, P], ctypes.c_int
 
     @staticmethod
     def load() -> "SharedLib | None":

@@ -202,6 +202,8 @@ class Ranks:
         """The watchdog's report (its thread): stop the local ranks, then raise or exit."""
         if self.group is not None:
             self.group.failure = line
+            if self.group.shared is not None:
+                self.group.shared.abort()  # this rank's own waits in shared memory end now
         log.error("%s", line)
         self._kill_children()
         if _exit_on_failure and self.serving:

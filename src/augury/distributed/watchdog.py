@@ -76,6 +76,23 @@ class Watchdog(threading.Thread):
                 return
             self._stop_event.wait(INTERVAL)
 
+    def stale(self, min_age: float) -> list[tuple[int, float]]:
+        """Watched ranks whose heartbeat has not moved for at least min_age seconds: (rank, seconds)."""
+        now = time.monotonic()
+        return sorted(((r, now - seen) for r, (_, seen) in self._seen.items() if now - seen >= min_age),
+                      key=lambda x: -x[1])
+
+    def blame(self) -> None:
+        """A collective has just failed: report the rank to blame now, if the heartbeats show one (a rank
+        silent for over two heartbeats, or a local worker that exited)."""
+        if self.check_now():
+            return
+        silent = self.stale(2.5 * INTERVAL)
+        if silent:
+            r, age = silent[0]
+            self._fail(f"tensor-parallel rank {r} stopped responding (no heartbeat for {age:.0f} s; "
+                       f"--dist-timeout {self.timeout:g})")
+
     def check_now(self) -> bool:
         """Look at the local worker processes now; True if one has exited (then reported)."""
         for r, proc in list(self.children.items()):

@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import augury
+from augury import distributed
 from augury.server.errors import APIError, install_error_handlers
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -118,8 +119,10 @@ def create_app(state: ServerState) -> FastAPI:
         return state.info.render()
 
     def card() -> ModelCard:
+        tp = distributed.status()
         return ModelCard(id=state.model_name, created=int(state.info.started_at), root=state.model_name,
-                         max_model_len=state.max_model_len)
+                         max_model_len=state.max_model_len, tensor_parallel_size=tp["size"],
+                         tensor_parallel_backend=tp["backend"])
 
     @app.get("/v1/models", dependencies=guarded, responses=_ERRORS)
     async def list_models() -> ModelList:

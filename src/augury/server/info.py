@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from augury import cpu
+from augury import cpu, distributed
 
 _PACKAGES = ("torch", "transformers", "tokenizers", "fastapi", "uvicorn", "pydantic", "prometheus-client")
 
@@ -98,4 +98,6 @@ class ServerInfo:
             "python_executable": sys.executable,
             "modules": files,
             "modules_changed_on_disk": [f["module"] for f in files if f["changed_on_disk"]],
+            # ranks, backend and the seconds spent in collectives so far (augury/distributed)
+            "tensor_parallel": distributed.status(),
         }

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from augury import cpu
+from augury import cpu, distributed
 from augury.server.engine_loop import Snapshot
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -56,6 +56,19 @@ class _EngineCollector(Collector):
             kernels.add_metric([self._model, name, str(cpu_now["kernels_isa"]), str(cpu_now["host_isa"])],
                                1.0 if on else 0.0)
         yield kernels
+        tp = distributed.status()
+        ranks = GaugeMetricFamily("augury:tensor_parallel_info", "1, with the number of tensor-parallel ranks and "
+                                  "their backend (size 1: no tensor parallelism).",
+                                  labels=["model_name", "size", "backend"])
+        ranks.add_metric([self._model, str(tp["size"]), str(tp["backend"] or "none")], 1.0)
+        yield ranks
+        comm = CounterMetricFamily("augury:tensor_parallel_seconds", "Seconds rank 0 spent in tensor-parallel "
+                                   "collectives, by kind (all_reduce: the sums inside forwards; command: handing "
+                                   "each target call to the other ranks; logits: gathering them).",
+                                   labels=["model_name", "kind"])
+        for kind, seconds in tp.get("seconds", {}).items():
+            comm.add_metric([self._model, kind], seconds)
+        yield comm
         rates = GaugeMetricFamily("augury:spec_acceptance_rate",
                                   "Acceptance rate of the draft token at each depth (position 1 = first draft).",
                                   labels=["model_name", "position"])

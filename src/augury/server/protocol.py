@@ -183,6 +183,8 @@ class ModelCard(BaseModel):
     owned_by: str = "augury"
     root: str
     max_model_len: int
+    tensor_parallel_size: int = 1  # ranks the model is split across (augury/distributed)
+    tensor_parallel_backend: str | None = None  # gloo (+ shared memory) or nccl; None without
 
 
 class ModelList(BaseModel):

@@ -106,7 +106,9 @@ def _start_and_serve(args) -> int:
             # the demo may be downloaded, a .gguf file converted (once): failures name this stage
             settings = dataclasses.replace(settings, resolved=resolve.resolve(settings.engine))
         from augury.builder import build_engine
+        from augury.distributed import launch
 
+        launch.exit_on_failure()  # a tensor-parallel rank that dies or hangs ends the server, one line naming it
         try:
             engine = build_engine(settings.engine, settings.resolved, notify=stages.entered)
         except StartupError:

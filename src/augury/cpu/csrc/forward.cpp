@@ -89,6 +89,8 @@ struct Exchange {
     int64_t *counter = nullptr;  // this rank's ops so far (kept by the caller between calls)
     static constexpr int64_t HEADER = 4096;
     int64_t *seq(int64_t r) const { return reinterpret_cast<int64_t *>(base + r * 64); }
+    // the header's last line: nonzero once a rank has failed (the watchdog writes it): stop waiting
+    const int64_t *abort_flag() const { return reinterpret_cast<const int64_t *>(base + HEADER - 64); }
     float *slot(int64_t buf, int64_t r) const {
         return reinterpret_cast<float *>(base + HEADER) + (buf * size + r) * cap;
     }
@@ -276,8 +278,9 @@ bool exchange(const Exchange &ex, int64_t k) {
         for (int64_t spins = 0; __atomic_load_n(ex.seq(r), __ATOMIC_ACQUIRE) < k; spins++) {
             if (spins < 2048) continue;  // a peer a few microseconds behind: spin
             sched_yield();               // further behind (or descheduled): let the cores go
-            if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start >
-                                          std::chrono::milliseconds(ex.timeout_ms))
+            if ((spins & 255) == 0 && (__atomic_load_n(ex.abort_flag(), __ATOMIC_RELAXED) ||
+                                       std::chrono::steady_clock::now() - start >
+                                           std::chrono::milliseconds(ex.timeout_ms)))
                 return false;
         }
     }
@@ -327,7 +330,7 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
     if (s0 < 0 || s1 > 2 * L + 1 || s0 >= s1) return 1;
     Exchange ex;
     if (shm) {
-        if (s0 != 0 || s1 != 2 * L + 1 || size < 1 || size * 64 > Exchange::HEADER || rank < 0 || rank >= size ||
+        if (s0 != 0 || s1 != 2 * L + 1 || size < 1 || size * 64 >= Exchange::HEADER || rank < 0 || rank >= size ||
             cap < T * H || !counter)
             return 1;
         ex.base = shm, ex.rank = rank, ex.size = size, ex.cap = cap, ex.counter = counter, ex.timeout_ms = timeout_ms;
@@ -373,7 +376,7 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
 // the slots there), -1 when a rank did not arrive within timeout_ms, -2 for bad arguments.
 extern "C" int64_t augury_shm_exchange(char *base, int64_t rank, int64_t size, int64_t cap, int64_t *counter,
                                        const float *src, int64_t n, int64_t timeout_ms) {
-    if (!base || !counter || n < 0 || n > cap || size < 1 || size * 64 > Exchange::HEADER || rank < 0 || rank >= size)
+    if (!base || !counter || n < 0 || n > cap || size < 1 || size * 64 >= Exchange::HEADER || rank < 0 || rank >= size)
         return -2;
     Exchange ex;
     ex.base = base, ex.rank = rank, ex.size = size, ex.cap = cap, ex.counter = counter, ex.timeout_ms = timeout_ms;
@@ -389,13 +392,16 @@ extern "C" void augury_shm_publish(int64_t *addr, int64_t value) { __atomic_stor
 
 // Wait until *addr >= target: spin about spin_us (a peer that is about to arrive), then sleep in
 // steps growing from 20 us to 1 ms (an idle engine costs next to nothing). timeout_ms <= 0 waits for
-// ever. 0 when reached, 1 on timeout. (Called through ctypes, which lets other Python threads run.)
-extern "C" int augury_shm_wait(const int64_t *addr, int64_t target, int64_t timeout_ms, int64_t spin_us) {
+// ever; a nonzero *abort (when given) ends the wait. 0 when reached, 1 on timeout or abort. (Called
+// through ctypes, which lets other Python threads run.)
+extern "C" int augury_shm_wait(const int64_t *addr, int64_t target, int64_t timeout_ms, int64_t spin_us,
+                               const int64_t *abort) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     int64_t nap_us = 20;
     for (int64_t spins = 0; __atomic_load_n(addr, __ATOMIC_ACQUIRE) < target; spins++) {
         if ((spins & 127) != 0) continue;
+        if (abort && __atomic_load_n(abort, __ATOMIC_RELAXED)) return 1;
         const auto waited = std::chrono::duration_cast<std::chrono::microseconds>(clock::now() - start).count();
         if (timeout_ms > 0 && waited > timeout_ms * 1000) return 1;
         if (waited < spin_us) continue;
