@@ -307,3 +307,21 @@ def test_forced_drafts_keep_a_requests_own_draft_cap(plain, spec):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for g in got:
         assert g.spec_stats.num_verify_steps and g.spec_stats.num_draft_tokens <= 2 * g.spec_stats.num_verify_steps
+
+
+def test_forced_tokens_are_verified_when_the_policy_drafts_nothing(ckpts, plain):
+    """Above the disable threshold the head drafts nothing, yet the grammar's forced tokens are still
+    verified (as chains under the roots) instead of decoding them one step each; output unchanged."""
+    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy="static", speculative_disable_batch_threshold=1, log_stats_interval=0)
+    schema = SCHEMAS["enums-and-bools"]
+    params = [SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=SO(json=schema)),
+              SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=SO(json=schema), max_draft_tokens=0),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    prompts = PROMPTS[:3]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert got[0].spec_stats.num_accepted_draft_tokens > 0  # forced tokens, no head drafts
+    assert got[1].spec_stats.num_verify_steps == 0 and got[2].spec_stats.num_verify_steps == 0
+    _no_leak(llm)

@@ -37,6 +37,10 @@ class LogitsShaper(Protocol):
         """`token` is now part of the output; True when it completed the grammar (it was the stop)."""
         ...
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens a grammar forces from the current state (jump-forward), at most `limit`."""
+        ...
+
     def plan_tree(self, tokens: Sequence[int], parents: Sequence[int], size: int,
                   capacity: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
         """For one draft tree (node 0 the root at the current state): the nodes the grammar allows

@@ -29,6 +29,7 @@ log = logging.getLogger("augury.speculative")
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
 AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
+FORCED_ONLY = 16  # most forced tokens verified per request in a step without head drafts
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
@@ -82,6 +83,8 @@ class Speculator:
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
         lookahead = shape.num_draft_tokens + self.proposer.extra_nodes if shape is not None else 0
+        if shape is None and self._forced_only(host, reqs):
+            return True
         if shape is None or not host.reserve(reqs, lookahead):
             host.stats.steps_plain += 1
             return False
@@ -112,6 +115,27 @@ class Speculator:
         if self._warm_steps % 2:
             return StepPlan(None, tuple(0 for _ in reqs))
         return StaticPolicy(self.policy.max_shape, None).plan(reqs)
+
+    def _forced_only(self, host: TargetHost, reqs: list[Request]) -> bool:
+        """No head drafts this step, but a grammar forces tokens (keys, punctuation, a fixed value):
+        verify those alone, as chains under the roots (every other row a plain decode row), instead of
+        a plain decode step. They cost no draft forward and are all but always accepted. False (and
+        nothing done) when no request's grammar forces anything, or the cache is short."""
+        chains = []
+        for r in reqs:
+            own = r.params.max_draft_tokens
+            forced = r.shaper.forced_tokens(FORCED_ONLY if own is None else min(own, FORCED_ONLY)) \
+                if r.shaper is not None and r.shaper.has_grammar and own != 0 else []
+            chains.append(forced)
+        if not any(chains) or not host.reserve(reqs, 1 + max(len(c) for c in chains)):
+            return False
+        b = len(reqs)
+        roots = DraftTree(torch.tensor([[r.last_token_id] for r in reqs]), torch.full((b, 1), -1),
+                          torch.zeros(b, 1, dtype=torch.long))
+        tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c in chains])
+        self.verify_and_commit(host, reqs, tree)
+        host.stats.steps_spec += 1
+        return True
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -205,10 +229,11 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
     the drafts it refuses (with their subtrees) before the target sees them, and draft for free the
     tokens it forces (keys, punctuation, a fixed enum value) under the kept nodes, up to `capacity`
     nodes a row (what the step reserved; a request's own max_draft_tokens holds, the policy's budget
-    for it does not: forced tokens are accepted whatever the head drafts). Root-only rows stay as
-    they are."""
+    for it does not: forced tokens are accepted whatever the head drafts, so a row the policy left
+    at its root gets them too). A request that opted out of speculation keeps its root-only row."""
     sizes = tree.row_sizes()
-    rows = [b for b, r in enumerate(reqs) if r.shaper is not None and r.shaper.has_grammar and sizes[b] > 1]
+    rows = [b for b, r in enumerate(reqs) if r.shaper is not None and r.shaper.has_grammar
+            and (sizes[b] > 1 or r.params.max_draft_tokens != 0)]
     if not rows:
         return tree
     toks, pars = tree.tokens.tolist(), tree.parents.tolist()
