@@ -35,6 +35,9 @@ class SystemSettings:
     threads: int | None = None  # CPU threads of every system (torch's intra-op threads, llama.cpp's n_threads)
     eos_ids: tuple[int, ...] | None = None  # the checkpoint's end-of-sequence ids (None: each system reads them)
     tensor_parallel_size: int = 1  # augury systems: ranks (each cores / N threads, pinned; augury/distributed)
+    # --prompts json: per prompt (its token ids), the JSON schema augury's systems constrain its answer to
+    # (peers answer unconstrained)
+    json_schemas: tuple[tuple[tuple[int, ...], str], ...] = ()
 
 
 class System(Protocol):
@@ -48,7 +51,9 @@ class System(Protocol):
 class AugurySystem:
     """augury's LLM at the benchmark's temperature; extra keyword arguments go to LLM (EngineConfig fields)."""
 
-    def __init__(self, settings: SystemSettings, name: str = "augury", **engine_kwargs: Any) -> None:
+    def __init__(self, settings: SystemSettings, name: str = "augury", constrained: bool = True,
+                 **engine_kwargs: Any) -> None:
+        """constrained=False: answer --prompts json unconstrained (the reference of the grammar's cost)."""
         from augury.llm import LLM
 
         self.name = name
@@ -60,6 +65,7 @@ class AugurySystem:
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
+        self.schemas = dict(settings.json_schemas) if constrained else {}
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -86,11 +92,17 @@ class AugurySystem:
         return (self.steps + self.accepted) / max(1, self.decoded)
 
     def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
-        from augury.sampling_params import SamplingParams
+        import json
+
+        from augury.sampling_params import SamplingParams, StructuredOutputsParams
 
         t = self.temperature
         params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=not stop_at_eos, seed=i if t else None)
                   for i in range(len(prompts))]
+        for p, prompt in zip(params, prompts):
+            schema = self.schemas.get(tuple(prompt))
+            if schema is not None:
+                p.structured_outputs = StructuredOutputsParams(json=json.loads(schema))
         # every repeat computes its prompts: a run must not find the previous repeat's prompts in the
         # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
         # so the repeats would compare different work; `--workload document` measures the cache)
@@ -310,6 +322,9 @@ SYSTEMS: dict[str, SystemFactory] = {
     "transformers-pld": lambda s: TransformersSystem(s, "transformers-pld", max_batch=1, prompt_lookup_num_tokens=10),
     "augury": lambda s: AugurySystem(s, "augury", speculative_algorithm="none"),
     "augury-off": lambda s: AugurySystem(s, "augury-off", speculative_algorithm="none"),
+    # --prompts json: the same without the schemas (what constraining the answers costs: mask overhead)
+    "augury-off-unconstrained": lambda s: AugurySystem(s, "augury-off-unconstrained", constrained=False,
+                                                       speculative_algorithm="none"),
     "augury-static": _speculative("augury-static", speculative_algorithm="eagle3", speculative_policy="static"),
     "augury-adaptive": _speculative("augury-adaptive", speculative_algorithm="eagle3", speculative_policy="adaptive"),
     "augury-ngram": lambda s: AugurySystem(s, "augury-ngram", speculative_algorithm="ngram", speculative_policy="static"),

@@ -52,7 +52,8 @@ class BenchSettings:
     warmup: int = 1
     systems: tuple[str, ...] = ("transformers", "augury")
     # random token ids, "chat": held-out chat prompts through the chat template, "varied": the varied
-    # held-out set (prompts.VARIED_PROMPTS, acceptance also reported per kind), or "mixed"
+    # held-out set (prompts.VARIED_PROMPTS, acceptance also reported per kind), "mixed", or "json" (answers
+    # constrained to a JSON schema each: bench/json_prompts.py)
     prompts: str = "random"
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
@@ -326,7 +327,20 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         params = count_parameters(folder)
     cfg = TargetConfig.from_folder(folder)
     chat = kinds = None
+    schemas: tuple[tuple[tuple[int, ...], str], ...] = ()
     prompt_len = settings.prompt_len
+    if settings.prompts == "json":
+        from augury.bench.json_prompts import json_chat_prompts
+        from augury.models.tokenizer import load_tokenizer
+
+        if not settings.stop_at_eos:
+            raise ValueError("--prompts json needs --stop-at-eos (an answer ends where its JSON does)")
+        tokenizer = load_tokenizer(Path(folder))
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--prompts json needs a model with a tokenizer and a chat template")
+        chat, texts = json_chat_prompts(tokenizer, settings.num_prompts)
+        schemas = tuple((tuple(p), t) for p, t in zip(chat, texts))
+        prompt_len = max(len(p) for p in chat)
     if settings.prompts in ("chat", "mixed", "varied"):
         from augury.bench import chat_prompts, mixed_prompts, varied_chat_prompts
         from augury.models.tokenizer import load_tokenizer
@@ -344,7 +358,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
-                            tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size)
+                            tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas)
     systems = start_workers(list(settings.systems), shared, user_env)  # one process per system, loaded
     try:
         rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat, kinds)
@@ -447,12 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
-    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "varied", "mixed"],
+    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "varied", "mixed", "json"],
                    help="random token ids; chat: held-out prompts of the training templates' split, through the "
                    "model's chat template; varied: the varied held-out set (code, SQL and shell, maths, recipes, "
                    "poems, rewriting, data formats, advice, copying; acceptance reported per kind), which no "
                    "training template produces; mixed: every other prompt asks to repeat a paragraph (an answer "
-                   "that copies its prompt), the rest are held-out chat prompts")
+                   "that copies its prompt), the rest are held-out chat prompts; json: prompts asking for JSON, "
+                   "each answer constrained to its schema in augury's systems (needs --stop-at-eos; peers answer "
+                   "unconstrained; augury-off-unconstrained is augury without the schemas)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="--prompts chat / varied / mixed: prompts per run, in batches of the batch size "
                    "(varied has 60: 10 kinds x 6, kinds taken in turn)")
