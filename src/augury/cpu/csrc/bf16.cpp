@@ -26,8 +26,9 @@ extern "C" int augury_bf16_linear(const void *x, int x_bf16, int64_t M, int64_t 
             static_cast<float *>(y)[m * N + n] = v + (bias ? augury::bf16_to_f32(bias[n]) : 0.0f);
         }
     };
-    augury::prepare_then_run(M, nthreads, [&] { augury::bf16::widen_rows(x, x_bf16 != 0, M, K, xf); },
-                             [&] { augury::bf16::columns(xf, M, K, w, N, store); });
+    augury::prepare_then_run(
+        M, nthreads, [&](augury::Barrier &bar) { augury::bf16::widen_rows(x, x_bf16 != 0, M, K, xf, bar); },
+        [&](augury::Barrier &bar) { augury::bf16::columns(xf, M, K, w, N, store, bar); });
     std::free(xf);
     return 0;
 }

@@ -58,18 +58,20 @@ inline void rows_block(int r, const uint16_t *p0, const uint16_t *p1, int64_t K,
 
 // Rows of x (bfloat16 or float32, K % 8 == 0) widened into xf [M, K] float32: a worksharing loop
 // (called inside a parallel region, the threads split it; serially, one thread does it all)
-inline void widen_rows(const void *x, bool x_bf16, int64_t M, int64_t K, float *xf) {
-#pragma omp for schedule(static)
+inline void widen_rows(const void *x, bool x_bf16, int64_t M, int64_t K, float *xf, Barrier &bar) {
+#pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xf + m * K + k, load8(x, x_bf16, m * K + k));
+    bar.wait();
 }
 
 // y[m, n] for every row and column of the packed weights (N columns); store(m, n, value) receives
-// each (no bias added). A worksharing loop over pairs of panels.
+// each (no bias added). A worksharing loop over pairs of panels, ending at bar.
 template <class Store>
-inline void columns(const float *xf, int64_t M, int64_t K, const uint16_t *packed, int64_t N, Store store) {
+inline void columns(const float *xf, int64_t M, int64_t K, const uint16_t *packed, int64_t N, Store store,
+                    Barrier &bar) {
     const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t q = 0; q < pairs; q++) {
         const int64_t p = 2 * q;
         const int c = p + 1 < panels ? 2 : 1;
@@ -90,6 +92,7 @@ inline void columns(const float *xf, int64_t M, int64_t K, const uint16_t *packe
                 }
         }
     }
+    bar.wait();
 }
 
 }  // namespace bf16

@@ -63,14 +63,14 @@ inline int64_t padded_groups(int64_t K) { return (K / GROUP + CHUNK - 1) / CHUNK
 // weights, 0, 0, bias). Worksharing loops: every thread of the region calls it.
 template <class Store>
 inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Rounded &a, float *xf, int64_t N,
-                    Store store) {
+                    Store store, augury::Barrier &bar) {
     const uint16_t *s = at<const uint16_t>(p, f + 1);
     if (s) {
-        round_rows(x, true, T, a);
-        columns(a, T, at<const uint8_t>(p, f), s, at<const uint16_t>(p, f + 2), N, store);
+        round_rows(x, true, T, a, bar);
+        columns(a, T, at<const uint8_t>(p, f), s, at<const uint16_t>(p, f + 2), N, store, bar);
     } else {
-        augury::bf16::widen_rows(x, true, T, a.K, xf);
-        augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f), N, store);
+        augury::bf16::widen_rows(x, true, T, a.K, xf, bar);
+        augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f), N, store, bar);
     }
 }
 
@@ -121,6 +121,7 @@ struct Stack {
     uint16_t *xn = nullptr, *qkv = nullptr, *qr = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
     float *xf = nullptr;
     Rounded aH, aQ, aI;
+    augury::Barrier bar;  // between the worksharing loops (simd.h: a bounded spin, then sleep)
 
     // Checks the shapes and every slot, allocates the scratch: 0, 1 (bad shapes) or 2 (out of memory).
     int setup() {
@@ -179,9 +180,10 @@ struct Stack {
     void write_aux(int64_t l) {
         for (int64_t a = 0; a < n_aux; a++) {
             if (aux[a] != l) continue;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < H; j++) aux_out[t * n_aux * H + a * H + j] = f32_to_bf16(h[t * H + j]);
+            bar.wait();
         }
     }
 
@@ -190,8 +192,9 @@ struct Stack {
     // float32 partial sum [T, H] goes to part, for the ranks' sum and `apply`.
     void step(int64_t s, float *part, std::vector<float> &scores) {
         if (s == 2 * L) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) augury::rmsnorm_row(h + t * H, H, final_w, true, eps, out + t * H, true);
+            bar.wait();
             return;
         }
         const int64_t l = s / 2;
@@ -199,13 +202,14 @@ struct Stack {
         if (s % 2 == 0) {
             uint16_t *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
             const uint16_t *qkv_b = at<const uint16_t>(p, QKV_B), *o_b = at<const uint16_t>(p, O_B);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN1), true, eps, xn + t * H, true);
+            bar.wait();
             project(p, QKV_C, xn, T, aH, xf, NQKV, [&](int64_t m, int64_t n, float v) {
                         qkv[m * NQKV + n] = f32_to_bf16(rounded(v, qkv_b, n));
-                    });
-#pragma omp for schedule(static)
+                    }, bar);
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 const uint16_t *row = qkv + t * NQKV;
                 const int64_t slot = slot_mapping[t];
@@ -213,42 +217,47 @@ struct Stack {
                 augury::rope_row(row + NQ, nkv, hd, cos + t * hd, sin + t * hd, true, kc + slot * NKV);
                 std::memcpy(vc + slot * NKV, row + NQ + NKV, static_cast<size_t>(NKV) * 2);
             }
+            bar.wait();
             if (split_attention) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * nkv; task++) {
                     const int64_t t = task / nkv, g = task % nkv;
                     augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t], scale,
                                         att, true, scores);
                 }
+                bar.wait();
             } else {
-#pragma omp single
-                for (int64_t task = 0; task < T * nkv; task++) {
-                    const int64_t t = task / nkv, g = task % nkv;
-                    augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t], scale,
-                                        att, true, scores);
-                }
+                if (omp_get_thread_num() == 0)
+                    for (int64_t task = 0; task < T * nkv; task++) {
+                        const int64_t t = task / nkv, g = task % nkv;
+                        augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t],
+                                            scale, att, true, scores);
+                    }
+                bar.wait();
             }
             if (part)
-                project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; });
+                project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; }, bar);
             else
                 project(p, O_C, att, T, aQ, xf, H,
-                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); });
+                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); }, bar);
         } else {
             const uint16_t *gu_b = at<const uint16_t>(p, GU_B), *dn_b = at<const uint16_t>(p, DN_B);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN2), true, eps, xn + t * H, true);
+            bar.wait();
             project(p, GU_C, xn, T, aH, xf, 2 * I, [&](int64_t m, int64_t n, float v) {
                         gu[m * 2 * I + n] = f32_to_bf16(rounded(v, gu_b, n));
-                    });
-#pragma omp for schedule(static)
+                    }, bar);
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, true, act + t * I);
+            bar.wait();
             if (part) {
-                project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; });
+                project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; }, bar);
             } else {
                 project(p, DN_C, act, T, aI, xf, H,
-                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); });
+                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); }, bar);
                 write_aux(l);
             }
         }
@@ -259,13 +268,14 @@ struct Stack {
     void apply(int64_t s, const float *const *parts, int64_t nparts) {
         const int64_t *p = layers + (s / 2) * NFIELD;
         const uint16_t *bias = at<const uint16_t>(p, s % 2 == 0 ? O_B : DN_B);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < H; j++) {
                 float v = parts[0][t * H + j];
                 for (int64_t r = 1; r < nparts; r++) v += parts[r][t * H + j];
                 h[t * H + j] += rounded(v, bias, j);
             }
+        bar.wait();
         if (s % 2 == 1) write_aux(s / 2);
     }
 };
@@ -390,15 +400,16 @@ extern "C" int64_t augury_shm_exchange(char *base, int64_t rank, int64_t size, i
 // *addr = value, after every write this thread made before (a release store).
 extern "C" void augury_shm_publish(int64_t *addr, int64_t value) { __atomic_store_n(addr, value, __ATOMIC_RELEASE); }
 
-// Wait until *addr >= target: spin about spin_us (a peer that is about to arrive), then sleep in
-// steps growing from 20 us to 1 ms (an idle engine costs next to nothing). timeout_ms <= 0 waits for
-// ever; a nonzero *abort (when given) ends the wait. 0 when reached, 1 on timeout or abort. (Called
-// through ctypes, which lets other Python threads run.)
+// Wait until *addr >= target: spin about spin_us (a peer that is about to arrive), then nap 50 us at
+// a time (a wake-up at most ~50 us late while the engine is busy: a draft tree between two commands),
+// and after 50 ms, naps growing to 1 ms (an idle engine costs next to nothing). timeout_ms <= 0 waits
+// for ever; a nonzero *abort (when given) ends the wait. 0 when reached, 1 on timeout or abort.
+// (Called through ctypes, which lets other Python threads run.)
 extern "C" int augury_shm_wait(const int64_t *addr, int64_t target, int64_t timeout_ms, int64_t spin_us,
                                const int64_t *abort) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
-    int64_t nap_us = 20;
+    int64_t nap_us = 50;
     for (int64_t spins = 0; __atomic_load_n(addr, __ATOMIC_ACQUIRE) < target; spins++) {
         if ((spins & 127) != 0) continue;
         if (abort && __atomic_load_n(abort, __ATOMIC_RELAXED)) return 1;
@@ -407,7 +418,7 @@ extern "C" int augury_shm_wait(const int64_t *addr, int64_t target, int64_t time
         if (waited < spin_us) continue;
         struct timespec ts = {0, static_cast<long>(nap_us) * 1000};
         nanosleep(&ts, nullptr);
-        if (nap_us < 1000) nap_us += nap_us / 4 + 1;
+        if (waited > 50000 && nap_us < 1000) nap_us += nap_us / 4 + 1;
     }
     return 0;
 }

@@ -1,6 +1,14 @@
 // Helpers shared by augury's CPU kernels (AVX2): bfloat16 <-> float32 and a horizontal sum.
 #pragma once
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -48,17 +56,61 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 // parallel region: waking a thread costs more than a few rows.
 constexpr int64_t SERIAL_ROWS = 16;
 
-// prepare() (a worksharing loop over the M rows) then body() (one over the columns) in one parallel
-// region of nthreads threads; for fewer than SERIAL_ROWS rows prepare() runs first, serially. Either
-// way every row is prepared by the same row function, so the results do not depend on M.
+// The barrier between the worksharing loops of augury's parallel regions (the kernels' worksharing
+// loops end `nowait` and call wait()): a bounded spin (about SPIN_US, where a balanced step's threads
+// meet), then sleep in the kernel (futex) until the last thread arrives. libgomp's own barrier spins
+// for milliseconds before it sleeps (GOMP_SPINCOUNT): on a core shared with a busy process the
+// spinning thread keeps its core busy while the thread it waits for sits behind the other process,
+// and every one of a step's ~250 barriers can wait out a scheduler time slice. A sleeping thread
+// frees its core, where the scheduler runs the late thread. The team is the calling OpenMP region's;
+// outside a region (one thread) wait() returns at once.
+class Barrier {
+  public:
+    static constexpr int SPIN_US = 50;
+
+    void wait() {
+        const int n = omp_get_num_threads();
+        if (n <= 1) return;
+        const uint32_t gen = gen_.load(std::memory_order_acquire);
+        if (count_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {  // the last to arrive
+            count_.store(0, std::memory_order_relaxed);
+            gen_.store(gen + 1, std::memory_order_seq_cst);
+            if (sleepers_.load(std::memory_order_seq_cst) > 0)
+                syscall(SYS_futex, reinterpret_cast<uint32_t *>(&gen_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+            return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 1; gen_.load(std::memory_order_acquire) == gen; i++) {
+            _mm_pause();
+            if ((i & 63) || std::chrono::steady_clock::now() - start < std::chrono::microseconds(SPIN_US)) continue;
+            sleepers_.fetch_add(1, std::memory_order_seq_cst);
+            while (gen_.load(std::memory_order_seq_cst) == gen)
+                syscall(SYS_futex, reinterpret_cast<uint32_t *>(&gen_), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0);
+            sleepers_.fetch_sub(1, std::memory_order_relaxed);
+            return;
+        }
+    }
+
+  private:
+    static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
+    alignas(64) std::atomic<uint32_t> gen_{0};
+    alignas(64) std::atomic<int> count_{0};
+    alignas(64) std::atomic<int> sleepers_{0};
+};
+
+// prepare(bar) (a worksharing loop over the M rows) then body(bar) (one over the columns) in one
+// parallel region of nthreads threads, each ending at the barrier bar; for fewer than SERIAL_ROWS rows
+// prepare runs first, serially. Either way every row is prepared by the same row function, so the
+// results do not depend on M.
 template <class Prepare, class Body>
 inline void prepare_then_run(int64_t M, int nthreads, Prepare &&prepare, Body &&body) {
     const bool serial = M < SERIAL_ROWS;
-    if (serial) prepare();
+    Barrier bar;
+    if (serial) prepare(bar);
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
-        if (!serial) prepare();
-        body();
+        if (!serial) prepare(bar);
+        body(bar);
     }
 }
 

@@ -35,7 +35,7 @@ extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
         else
             static_cast<float *>(y)[m * N + n] = v;
     };
-    augury::prepare_then_run(M, nthreads, [&] { round_rows(x, x_bf16 != 0, M, a); },
-                             [&] { columns(a, M, codes, s, z, N, store); });
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) { columns(a, M, codes, s, z, N, store, bar); });
     return 0;
 }

@@ -208,13 +208,14 @@ struct OwnedRounded : Rounded {
 };
 
 // Worksharing constructs without their own parallel region: called from inside one (the threads
-// split the work and meet at the end) or from serial code (one thread does it all).
-inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a) {
+// split the work and meet at bar) or from serial code (one thread does it all).
+inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a, augury::Barrier &bar) {
     const int xb = bf16 ? 2 : 4;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++)
         quantize_row(static_cast<const char *>(x) + m * a.K * xb, bf16, a.K, a.Gp, a.xq + m * a.K, a.dx + m * a.Gp,
                      a.xs + m * a.Gp, a.xsum + m * a.Gp);
+    bar.wait();
 }
 
 // y[m, n] for every row and column (N a multiple of PANEL); store(m, n, value) receives each in
@@ -222,11 +223,11 @@ inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a) {
 // while its rows go by ROW_BLOCK at a time, ROW_TILE rows' activations staying in cache.
 template <class Store>
 inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *s, const uint16_t *z,
-                    int64_t N, Store store) {
+                    int64_t N, Store store, augury::Barrier &bar) {
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * PANEL_BYTES;
             const uint16_t *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
@@ -250,6 +251,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uin
             }
         }
     }
+    bar.wait();
 }
 
 }  // namespace w4a8

@@ -106,10 +106,11 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
     if (K % GROUP || M < 0 || N < 0) return 1;
     OwnedRounded a(M, K, G);
     if (!a.ok()) return 2;
-    augury::prepare_then_run(M, nthreads, [&] { round_rows(x, x_bf16 != 0, M, a); }, [&] {
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) {
         for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
             const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < P; p++) {
                 const int8_t *pw = w + p * G * W8_PANEL_BYTES;
                 const float *ps = s + p * G * PANEL;
@@ -134,6 +135,7 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                 }
             }
         }
+        bar.wait();
     });
     return 0;
 }
