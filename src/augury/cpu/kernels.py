@@ -175,9 +175,10 @@ class W8A8:
         w = codes.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g, GROUP).float()
         return (w * scale.transpose(1, 2).reshape(p * PANEL, g, 1)).reshape(p * PANEL, g * GROUP)[:n]
 
-    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None = None,
+               threads: int | None = None) -> torch.Tensor:
         """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, n]; the weights are pack()'s output,
-        n the weight's rows (default: every column the panels hold)."""
+        n the weight's rows (default: every column the panels hold); threads: default torch's count."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
                              f"{x.dtype} on {x.device}")
@@ -193,7 +194,7 @@ class W8A8:
             raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
-                      y.data_ptr(), torch.get_num_threads())
+                      y.data_ptr(), threads or torch.get_num_threads())
         if rc:
             raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y

@@ -28,6 +28,7 @@ import ctypes
 import torch
 
 from augury.cpu import kernels as cpu_kernels
+from augury.cpu import threads as cpu_threads
 
 FIELDS = 18  # per layer: the order of kernels/forward.cpp's Field enum
 
@@ -218,8 +219,8 @@ class FusedStack:
                 slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
                 cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out),
                 self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
-        if self.tp is None:
-            rc = self.kernel.run(*args)
+        if self.tp is None:  # the thread count by measurement (cpu/threads.py): same bits with any
+            rc = cpu_threads.choice().timed(b * q, lambda n: self.kernel.run(*args[:-1], n))
         else:
             rc = self._run_sharded(args, b * q * hid)
         if rc:

@@ -1,0 +1,141 @@
+"""How many threads augury's CPU kernels run a step with, chosen by timing the steps themselves.
+
+torch's thread count (one per core by default) is right on an idle machine. On a shared one it can
+be very wrong: with a busy process pinned to one of two cores, every barrier of a step's layers
+waits for the thread that shares its core (measured: plain decoding of the demo at 12.5 tok/s with
+2 threads, 51 with 1). No start-up test settles it, since the machine's load changes while augury
+runs. So the fused stack's calls are timed, per row-count bucket, under each candidate count (the
+process's torch thread count n, n / 2 and 1): the count with the lowest median time of its recent
+calls runs; the others are tried again now and then, every `interval` calls, the interval doubling
+(up to `explore_max`) while they keep losing, and tried again at once after a call that beat the
+current count's median (until their median settles the matter) and when the choice changes, so
+a change of load is noticed within a few hundred calls while a losing count costs at most
+1 / explore_max of the calls once settled. A count replaces the current one only when its median is
+lower by more than `margin` (hysteresis against noise). The kernels give the same bits with any
+thread count (threads split rows or columns, never one value's sum), so the choice changes speed
+only. torch's own thread setting, the process's, is never changed.
+
+`choice()` is the process's instance; `current()` is the count its last pick gave (the output layer,
+run right after the stack, follows it).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+
+def candidates(n: int) -> tuple[int, ...]:
+    """The thread counts tried for a process whose torch thread count is n, largest first."""
+    return tuple(sorted({max(n, 1), max(n // 2, 1), 1}, reverse=True))
+
+
+def bucket(rows: int) -> int:
+    """Row counts timed together: 1, 2, 3-4, 5-8, ... (the smallest power of two >= rows)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class _Bucket:
+    def __init__(self, arms: tuple[int, ...], window: int, explore_min: int) -> None:
+        self.times = {a: deque(maxlen=window) for a in arms}
+        self.best = arms[0]
+        self.calls = 0
+        self.interval = explore_min
+        self.next_explore = explore_min
+        self.turn = 0  # which losing count the next exploration tries
+
+    def median(self, arm: int) -> float:
+        return statistics.median(self.times[arm]) if self.times[arm] else float("inf")
+
+
+class ThreadChoice:
+    """Thread counts for the fused stack, by measurement (see the module's docstring)."""
+
+    def __init__(self, max_threads: Callable[[], int] = torch.get_num_threads, window: int = 7,
+                 min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256) -> None:
+        self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
+        self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
+        self._arms: tuple[int, ...] = ()
+        self._buckets: dict[int, _Bucket] = {}
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def _bucket(self, rows: int) -> _Bucket:
+        arms = candidates(self.max_threads())
+        if arms != self._arms:  # torch's thread count changed: start over
+            self._arms, self._buckets = arms, {}
+        key = bucket(rows)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(arms, self.window, self.explore_min)
+        return self._buckets[key]
+
+    def pick(self, rows: int) -> int:
+        """The thread count for a call over `rows` rows (time it and `record` it)."""
+        with self._lock:
+            b = self._bucket(rows)
+            b.calls += 1
+            if len(b.times) == 1:
+                arm = b.best
+            elif (short := [a for a in b.times if len(b.times[a]) < self.min_samples]):
+                arm = short[b.calls % len(short)]  # every count measured a few times first
+            elif b.calls >= b.next_explore:
+                others = [a for a in b.times if a != b.best]
+                arm = others[b.turn % len(others)]
+                b.turn += 1
+                b.next_explore = b.calls + b.interval
+                b.interval = min(2 * b.interval, self.explore_max)
+            else:
+                arm = b.best
+            self._last = arm
+            return arm
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        """A call over `rows` rows ran with `threads` threads in `seconds`."""
+        with self._lock:
+            b = self._bucket(rows)
+            if threads not in b.times:
+                return
+            b.times[threads].append(seconds)
+            if any(len(t) < self.min_samples for t in b.times.values()):
+                return
+            if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
+                b.interval = self.explore_min  # a losing count ran faster: try it again at once
+                b.next_explore = b.calls + 1
+            best = min(b.times, key=b.median)
+            if best != b.best and b.median(best) < (1.0 - self.margin) * b.median(b.best):
+                b.best = best
+                b.interval = self.explore_min  # a change of load: look again soon
+                b.next_explore = b.calls + b.interval
+
+    def best(self, rows: int) -> int:
+        """The count chosen now for `rows` rows (no exploration)."""
+        with self._lock:
+            return self._bucket(rows).best
+
+    def current(self) -> int:
+        """The count the last pick gave (torch's thread count before any pick)."""
+        return self._last or max(self.max_threads(), 1)
+
+    def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
+        """run(threads) under the picked count, timed and recorded; returns run's result."""
+        threads = self.pick(rows)
+        t0 = clock()
+        rc = run(threads)
+        self.record(rows, threads, clock() - t0)
+        return rc
+
+
+_choice = ThreadChoice()
+
+
+def choice() -> ThreadChoice:
+    """The process's thread choice (the fused stack's and the output layer's)."""
+    return _choice
+
+
+def current() -> int:
+    return _choice.current()

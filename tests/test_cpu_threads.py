@@ -1,0 +1,116 @@
+"""The kernels' thread count chosen by timing (cpu/threads.py), driven by a fake clock; and the fused
+stack's numbers independent of the thread count (the choice may change speed only)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from augury import LLM, SamplingParams
+from augury.cpu import kernels as cpu_kernels
+from augury.cpu import threads
+from augury.cpu.threads import ThreadChoice
+from conftest import random_prompts
+
+
+def _drive(choice: ThreadChoice, cost, calls: int, rows: int = 1, seed: int = 0, noise: float = 0.3) -> list[int]:
+    """`calls` timed calls whose seconds are cost(threads, call) times a +-noise factor; the counts used."""
+    rng = random.Random(seed)
+    clock = [0.0]
+    used = []
+    for i in range(calls):
+        def run(n: int, i=i) -> int:
+            clock[0] += cost(n, i) * (1 + rng.uniform(-noise, noise))
+            used.append(n)
+            return 0
+
+        choice.timed(rows, run, clock=lambda: clock[0])
+    return used
+
+
+def test_candidates_and_buckets() -> None:
+    assert threads.candidates(2) == (2, 1)
+    assert threads.candidates(8) == (8, 4, 1)
+    assert threads.candidates(1) == (1,)
+    assert [threads.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+@pytest.mark.parametrize("fast", [1, 2])
+def test_it_settles_on_the_faster_count_and_rarely_tries_the_other(fast) -> None:
+    """Idle (2 threads 1.8x faster) or shared (1 thread 4x faster), +-30% noise: after 200 calls at
+    most 2% of the calls run the slower count, and overall at most 6%."""
+    slow = 3 - fast
+    c = ThreadChoice(max_threads=lambda: 2)
+    cost = (lambda n, i: 1.0 if n == fast else 1.8) if fast == 2 else (lambda n, i: 1.0 if n == fast else 4.0)
+    used = _drive(c, cost, 2000)
+    assert used[200:].count(slow) / len(used[200:]) <= 0.02
+    assert used.count(slow) / len(used) <= 0.06
+    assert c.best(1) == fast and threads.bucket(1) == 1
+
+
+def test_a_change_of_load_is_followed_within_a_few_hundred_calls() -> None:
+    """2 threads win until call 1500, then a competitor makes 1 thread win (and back at 3000): the
+    choice follows within 300 calls each time."""
+    c = ThreadChoice(max_threads=lambda: 2)
+
+    def cost(n: int, i: int) -> float:
+        shared = 1500 <= i < 3000
+        return (1.0 if n == 1 else 4.0) if shared else (1.8 if n == 1 else 1.0)
+
+    used = _drive(c, cost, 4500, seed=1)
+    assert used[1400:1500].count(2) >= 95
+    assert used[1800:3000].count(1) / 1200 >= 0.97
+    assert used[3300:].count(2) / 1200 >= 0.97
+
+
+def test_row_buckets_are_timed_apart() -> None:
+    """One thread wins for single rows, two for 16-row calls: each bucket keeps its own choice."""
+    c = ThreadChoice(max_threads=lambda: 2)
+    rng = random.Random(3)
+    clock = [0.0]
+    for i in range(1500):
+        rows = 1 if i % 2 else 16
+        cost = {(1, 1): 1.0, (1, 2): 1.5, (16, 1): 8.0, (16, 2): 4.5}
+
+        def run(n: int, rows=rows) -> int:
+            clock[0] += cost[(rows, n)] * (1 + rng.uniform(-0.3, 0.3))
+            return 0
+
+        c.timed(rows, run, clock=lambda: clock[0])
+    assert c.best(1) == 1 and c.best(16) == 2
+
+
+def test_a_single_thread_process_is_never_asked_for_more() -> None:
+    c = ThreadChoice(max_threads=lambda: 1)
+    assert set(_drive(c, lambda n, i: 1.0, 100)) == {1}
+
+
+class _Fixed(ThreadChoice):
+    """Always n threads."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(max_threads=lambda: n)
+        self.n, self.seen = n, []
+
+    def pick(self, rows: int) -> int:
+        self.seen.append(self.n)
+        self._last = self.n
+        return self.n
+
+
+@pytest.mark.skipif(cpu_kernels.forward() is None, reason="augury's fused-stack kernel does not run here")
+def test_the_fused_stack_gives_the_same_bits_with_any_thread_count(tiny_checkpoint, monkeypatch) -> None:
+    """Decode and verification steps through the fused stack and the w8a8 output layer with 1 and with 2
+    threads: tokens and log-probabilities bit for bit equal."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="ngram",
+              speculative_policy="static", log_stats_interval=0)
+    prompts = random_prompts([5, 13, 8], seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = []
+    for n in (1, 2):
+        fixed = _Fixed(n)
+        monkeypatch.setattr(threads, "_choice", fixed)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert fixed.seen and set(fixed.seen) == {n}
+        outs.append([(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]) for o in got])
+    assert outs[0] == outs[1]
