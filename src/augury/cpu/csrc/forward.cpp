@@ -285,13 +285,21 @@ bool exchange(const Exchange &ex, int64_t k) {
     __atomic_store_n(ex.seq(ex.rank), k, __ATOMIC_RELEASE);
     const auto start = std::chrono::steady_clock::now();
     for (int64_t r = 0; r < ex.size; r++) {
+        bool napping = false;
         for (int64_t spins = 0; __atomic_load_n(ex.seq(r), __ATOMIC_ACQUIRE) < k; spins++) {
             if (spins < 2048) continue;  // a peer a few microseconds behind: spin
-            sched_yield();               // further behind (or descheduled): let the cores go
-            if ((spins & 255) == 0 && (__atomic_load_n(ex.abort_flag(), __ATOMIC_RELAXED) ||
-                                       std::chrono::steady_clock::now() - start >
-                                           std::chrono::milliseconds(ex.timeout_ms)))
-                return false;
+            if (napping) {               // far behind (its first forward, a busy machine): sleep a little
+                struct timespec ts = {0, 20000};
+                nanosleep(&ts, nullptr);
+            } else {
+                sched_yield();  // further behind (or descheduled): let the cores go
+            }
+            if ((spins & 255) == 0 || napping) {
+                const auto waited = std::chrono::steady_clock::now() - start;
+                if (__atomic_load_n(ex.abort_flag(), __ATOMIC_RELAXED) || waited > std::chrono::milliseconds(ex.timeout_ms))
+                    return false;
+                napping = waited > std::chrono::milliseconds(2);
+            }
         }
     }
     return true;
