@@ -353,3 +353,74 @@ def test_a_hung_rank_is_named_and_stopped_within_the_timeout(tiny_checkpoint) ->
     finally:
         _close(llm)
     assert not torch.distributed.is_initialized()
+
+
+_RANK_SCRIPT = """
+import os, sys
+import torch
+torch.set_num_threads(1)
+from augury import LLM, SamplingParams
+kwargs = dict(tensor_parallel_size=2, nnodes=2, node_rank=int(sys.argv[2]), dist_init_addr=sys.argv[3]) \\
+    if len(sys.argv) > 2 else {}
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", speculative_algorithm="none", log_stats_interval=0.0, **kwargs)
+out = llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                   use_tqdm=False)
+print("tokens", [o.token_ids for o in out], llm.engine.model.group.stats()["backend"], flush=True)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _want_tokens(folder: Path) -> list[list[int]]:
+    llm = LLM(str(folder), dtype="float32", device="cpu", speculative_algorithm="none", log_stats_interval=0.0)
+    out = llm.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    return [o.token_ids for o in out]
+
+
+@TWO_CORES
+def test_ranks_started_by_torchrun(tiny_checkpoint, tmp_path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers_server import server_env
+
+    if shutil.which("torchrun") is None:
+        pytest.skip("no torchrun")
+    folder = tiny_checkpoint("llama")
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), str(script), str(folder)], env=server_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("tokens")]
+    assert len(lines) == 1  # rank 0 answers; torchrun's rank 1 served it and left when it was done
+    assert lines[0] == f"tokens {_want_tokens(folder)} gloo + shared memory"
+
+
+@TWO_CORES
+def test_two_machines_meet_at_dist_init_addr(tiny_checkpoint, tmp_path) -> None:
+    """--nnodes 2 with one rank per "machine", both on this host (loopback, gloo, no shared memory)."""
+    import subprocess
+    import sys
+
+    from helpers_server import server_env
+
+    folder = tiny_checkpoint("llama")
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    addr = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(k), addr], env=server_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (1, 0)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
+    assert outs[0][0] == ""  # machine 1 computes and prints nothing
+    assert outs[1][0].strip() == f"tokens {_want_tokens(folder)} gloo"  # across machines: gloo alone

@@ -135,7 +135,8 @@ class Ranks:
         ranks = Ranks(topo, store, spec, {})
         _active = ranks
         try:
-            ranks.children.update(spawn_local(topo, folder, skip_first=True))
+            if not topo.torchrun:  # torchrun started every rank itself
+                ranks.children.update(spawn_local(topo, folder, skip_first=True))
             topology.pin(topo.cores[0])
             torch.set_num_threads(topo.threads_of(0))
             ranks._wait("join", [HELLO.format(r) for r in range(1, topo.size)])
