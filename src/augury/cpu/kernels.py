@@ -26,7 +26,8 @@ from the same row functions (the kernels' *.h), bit for bit what the layer-by-la
 models/fused.py decides when it runs.
 
 The kernels' threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
-process), as many as torch.get_num_threads().
+process), as many as torch.get_num_threads() or, once the fused stack has timed its steps,
+as many as cpu/threads.py found fastest on this machine now (`threads.current()`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import torch
 
 from augury.config import CPU_KERNELS_VAR, cpu_kernels_enabled
 from augury.cpu import isa
+from augury.cpu import threads as cpu_threads
 from augury.cpu.build import KernelUnavailable, build
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,11 @@ def _expect(kernel: str, what: str, t: torch.Tensor, dtypes: tuple[torch.dtype, 
     got = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
            f"{'' if t.is_contiguous() else ', not contiguous'}") if isinstance(t, torch.Tensor) else type(t).__name__
     raise ValueError(f"{kernel}: {what} must be a contiguous CPU {want} tensor [{dims}], got {got}")
+
+
+def _threads() -> int:
+    """The thread count a kernel call runs with (cpu/threads.py: torch's, or the measured choice)."""
+    return cpu_threads.current()
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
@@ -137,7 +144,7 @@ class W4A8:
         n = p * PANEL
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
-                      zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+                      zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -194,7 +201,7 @@ class W8A8:
             raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
-                      y.data_ptr(), threads or torch.get_num_threads())
+                      y.data_ptr(), threads or _threads())
         if rc:
             raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -246,7 +253,7 @@ class BF16:
         y = torch.empty(m, n, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n,
                       None if bias is None else bias.data_ptr(), y.data_ptr(), int(out_dtype == torch.bfloat16),
-                      torch.get_num_threads())
+                      _threads())
         if rc:
             raise RuntimeError(f"bf16 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -283,7 +290,7 @@ class AttentionKernel:
         out = torch.empty(r, nh * hd, dtype=q.dtype)
         rc = self._fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, nh, hd, k_cache.data_ptr(), v_cache.data_ptr(),
                       int(k_cache.dtype == torch.bfloat16), nkv, s, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
-                      scale, out.data_ptr(), int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                      scale, out.data_ptr(), int(q.dtype == torch.bfloat16), _threads())
         if rc:
             raise ValueError("attend_rows: " + {2: "key counts out of range (each row needs 1..W keys)",
                                                 3: f"a row's slot is outside the cache (0..{s - 1})"}.get(rc, "bad shapes"))
@@ -311,7 +318,7 @@ class Elementwise:
         out = torch.empty(x.shape, dtype=w.dtype)
         dim = x.shape[-1]
         self._rmsnorm(x.data_ptr(), x.numel() // dim, dim, w.data_ptr(), int(w.dtype == torch.bfloat16),
-                                 eps, out.data_ptr(), int(w.dtype == torch.bfloat16), torch.get_num_threads())
+                                 eps, out.data_ptr(), int(w.dtype == torch.bfloat16), _threads())
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -324,7 +331,7 @@ class Elementwise:
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
         self._rope(x.data_ptr(), b * q, heads, hd, cos.data_ptr(), sin.data_ptr(),
-                              int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
+                              int(x.dtype == torch.bfloat16), out.data_ptr(), _threads())
         return out
 
 
@@ -338,7 +345,7 @@ class Elementwise:
         n = gu.shape[-1] // 2
         out = torch.empty(*gu.shape[:-1], n, dtype=gu.dtype)
         self._silu_mul(gu.data_ptr(), gu.numel() // (2 * n) if n else 0, n, int(gu.dtype == torch.bfloat16),
-                       out.data_ptr(), torch.get_num_threads())
+                       out.data_ptr(), _threads())
         return out
 
 

@@ -15,8 +15,8 @@ lower by more than `margin` (hysteresis against noise). The kernels give the sam
 thread count (threads split rows or columns, never one value's sum), so the choice changes speed
 only. torch's own thread setting, the process's, is never changed.
 
-`choice()` is the process's instance; `current()` is the count its last pick gave (the output layer,
-run right after the stack, follows it).
+`choice()` is the process's instance; `current()` is the count its last pick gave: every other call of
+augury's kernels (the output layer right after the stack, prefill's linears) runs with it.
 """
 from __future__ import annotations
 
@@ -117,8 +117,9 @@ class ThreadChoice:
             return self._bucket(rows).best
 
     def current(self) -> int:
-        """The count the last pick gave (torch's thread count before any pick)."""
-        return self._last or max(self.max_threads(), 1)
+        """The count the last pick gave (torch's thread count before any pick; never above it)."""
+        n = max(self.max_threads(), 1)
+        return min(self._last, n) if self._last else n
 
     def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
         """run(threads) under the picked count, timed and recorded; returns run's result."""

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
-from augury.cpu import threads as cpu_threads
 from augury.models.fused import KernelModule
 
 log = logging.getLogger(__name__)
@@ -314,8 +313,7 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         if kernel is None:
             raise RuntimeError("this output layer was packed for augury's w8a8 kernel, which is unavailable now")
         shape = x.shape
-        # as many threads as the fused stack's last call (cpu/threads.py): the step's other half
-        y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale, self.out_features, cpu_threads.current())
+        y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale, self.out_features)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
