@@ -31,14 +31,12 @@ import torch
 from augury.config import EngineConfig
 from augury.distributed import topology
 from augury.distributed.comm import Group, Shared, SharedLib
+from augury.distributed.rendezvous import HELLO, SPEC_KEY, STATUS, rank_device, spawn_local, start_timeout
 from augury.distributed.topology import Topology
 from augury.distributed.watchdog import Watchdog, exit_description
 
 log = logging.getLogger("augury.distributed")
 
-SPEC_KEY = "augury/spec"
-HELLO = "augury/hello/{}"
-STATUS = "augury/status/{}"
 _exit_on_failure = False
 _active: "Ranks | None" = None  # this process's group (torch.distributed allows one default group)
 
@@ -83,11 +81,6 @@ def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
     return topo
 
 
-def _start_timeout(spec_timeout: float, nnodes: int) -> float:
-    """How long to wait for ranks to join and load: another machine's command may be started by hand."""
-    return max(600.0 if nnodes > 1 else 300.0, spec_timeout)
-
-
 class Ranks:
     """Rank 0's handle on the tensor-parallel ranks: the store, its local workers, the group."""
 
@@ -120,7 +113,7 @@ class Ranks:
 
         tcfg = TargetConfig.from_folder(folder)
         store = dist.TCPStore(topo.host, topo.port, None, topo.hosts_store, wait_for_workers=False,
-                              timeout=timedelta(seconds=_start_timeout(config.dist_timeout, topo.nnodes)))
+                              timeout=timedelta(seconds=start_timeout(config.dist_timeout, topo.nnodes)))
         if topo.hosts_store:
             topo = _with_port(topo, store.port)
         exchange, shards = None, plan_shards(tcfg, topo.size)
@@ -140,7 +133,7 @@ class Ranks:
             topology.pin(topo.cores[0])
             torch.set_num_threads(topo.threads_of(0))
             ranks._wait("join", [HELLO.format(r) for r in range(1, topo.size)])
-            ranks.group = Group.init(store, 0, topo.size, _rank_device(device, 0), spec.timeout)
+            ranks.group = Group.init(store, 0, topo.size, rank_device(device, 0), spec.timeout)
             ranks.watchdog = Watchdog(topo.host, topo.port, 0, list(range(1, topo.size)), spec.timeout,
                                       ranks.children, ranks._failed)
             ranks.group.watchdog = ranks.watchdog
@@ -170,7 +163,7 @@ class Ranks:
             Path(self.spec.exchange).unlink(missing_ok=True)
 
     def _wait(self, what: str, keys: list[str]) -> None:
-        deadline = time.monotonic() + _start_timeout(self.spec.timeout, self.topo.nnodes)
+        deadline = time.monotonic() + start_timeout(self.spec.timeout, self.topo.nnodes)
         pending = list(keys)
         while pending:
             pending = [k for k in pending if not self.store.check([k])]
@@ -186,7 +179,7 @@ class Ranks:
             if time.monotonic() > deadline:
                 missing = ", ".join(k.rsplit("/", 1)[-1] for k in pending)
                 raise RuntimeError(f"tensor-parallel rank(s) {missing} did not {what} within "
-                                   f"{_start_timeout(self.spec.timeout, self.topo.nnodes):.0f} s")
+                                   f"{start_timeout(self.spec.timeout, self.topo.nnodes):.0f} s")
             time.sleep(0.05)
 
     def attach(self, model, kv, attention, folder: Path, num_blocks: int, block_size: int):
@@ -254,45 +247,3 @@ def _with_port(topo: Topology, port: int) -> Topology:
     from dataclasses import replace
 
     return replace(topo, port=port)
-
-
-def _rank_device(device: torch.device, local: int) -> torch.device:
-    return torch.device("cuda", local) if device.type == "cuda" else device
-
-
-def _package_root() -> str:
-    import augury
-
-    return str(Path(augury.__file__).resolve().parents[1])
-
-
-def spawn_local(topo: Topology, folder: Path, skip_first: bool) -> dict[int, subprocess.Popen]:
-    """Start this machine's ranks (all but this process's own) as fresh interpreters, each pinned to its
-    cores with its thread count, killed if the thread that started them dies (Linux), their output
-    on this process's stderr."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
-    children: dict[int, subprocess.Popen] = {}
-    main_thread = __import__("threading").current_thread() is __import__("threading").main_thread()
-    for local, rank in enumerate(topo.local_ranks()):
-        if skip_first and local == 0:
-            continue
-        args = {"rank": rank, "size": topo.size, "nnodes": topo.nnodes, "per_node": topo.per_node,
-                "host": topo.host, "port": topo.port, "cores": list(topo.cores[rank % topo.per_node]),
-                "threads": topo.threads_of(rank % topo.per_node), "folder": str(folder)}
-        env["OMP_NUM_THREADS"] = str(args["threads"])
-        children[rank] = subprocess.Popen(
-            [sys.executable, "-m", "augury.distributed.worker", json.dumps(args)], env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent if main_thread else None)
-    return children
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; Linux only)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - elsewhere the watchdog's lost store ends the child
-        pass

@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_node(topo, folder: Path) -> int:
     """This process is rank topo.rank (not 0): start this machine's other ranks if augury launches
     them (not under torchrun), then be a rank; the exit status."""
-    from augury.distributed import launch, topology
+    from augury.distributed import topology
+    from augury.distributed.rendezvous import spawn_local
 
-    children = {} if topo.torchrun else launch.spawn_local(topo, folder, skip_first=True)
+    children = {} if topo.torchrun else spawn_local(topo, folder, skip_first=True)
     topology.pin(topo.cores[topo.local_rank])
     try:
         return run_rank(topo.rank, topo.size, topo.nnodes, topo.host, topo.port, folder,
@@ -50,14 +51,14 @@ def run_rank(rank: int, size: int, nnodes: int, host: str, port: int, folder: Pa
 
     from augury.config import injected_fault_stage, one_line
     from augury.distributed.comm import Group
-    from augury.distributed.launch import HELLO, SPEC_KEY, STATUS, _rank_device, _start_timeout
+    from augury.distributed.rendezvous import HELLO, SPEC_KEY, STATUS, rank_device, start_timeout
     from augury.distributed.watchdog import Watchdog
 
     torch.set_num_threads(threads)
-    store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=_start_timeout(0, nnodes)))
+    store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=start_timeout(0, nnodes)))
     store.set(HELLO.format(rank), str(os.getpid()))
     spec = json.loads(store.get(SPEC_KEY))
-    device = _rank_device(torch.device(spec["device_type"]), rank % per_node)
+    device = rank_device(torch.device(spec["device_type"]), rank % per_node)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = Group.init(store, rank, size, device, spec["timeout"])
