@@ -14,20 +14,6 @@
 
 namespace augury {
 
-// u8 x s8 dot products, each int32 lane the sum of 4 adjacent products: AVX2's maddubs + madd (the
-// pair sums in int16, exact while |2 u s| < 2^15, which every caller keeps), or one vpdpbusd where the
-// ISA level has VNNI (AVX512-VNNI with VL, or AVX-VNNI). Same integers either way, so every variant
-// gives the AVX2 variant's bits.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 // 8 values from p + i, bfloat16 (widened exactly) or float32
 inline __m256 load8(const void *p, bool bf16, int64_t i) {
     if (bf16) {
