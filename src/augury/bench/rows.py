@@ -1,0 +1,107 @@
+"""What a verification step costs against a decode step, per ISA level: `python -m augury.bench.rows`.
+
+A verification step runs the target over a request's draft tree: R rows at once (each node of the
+tree), attention over the context plus the node's ancestors, logits for every row. A decode step
+runs one row. Speculation pays when the tokens a verification accepts outnumber its cost in decode
+steps, so this ratio, per row count, is what the policy weighs (speculative/adaptive.py).
+
+Each ISA level runs in a process of its own (AUGURY_CPU_ISA=level: the kernels built for that
+level; levels the CPU lacks are skipped), loads the demo target as `LLM("demo")` does, and times
+the target's forward plus its output layer on a chain of R nodes after a context of C tokens
+(cache contents do not change the cost), against a decode step at the same context, paired:
+each repeat times every row count once, in alternating order, and the ratio is the median over
+repeats of (R rows) / (1 row) of the same repeat. Threads: torch's default unless --threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int) -> dict:
+    import torch
+
+    from augury import LLM, cpu
+
+    llm = LLM("demo", speculative_algorithm="none", log_stats_interval=0)
+    engine = llm.engine
+    model, attention, bs = engine.model, engine.attention, engine.allocator.block_size
+    need = -(-(context + max(rows)) // bs)
+    table = list(range(1, 1 + need))  # free blocks at start-up (block 0 is never handed out)
+
+    def step(r: int):
+        parents = (torch.arange(r) - 1)[None]
+        attn = attention.prepare_tree([table], [context], parents)
+        ids = torch.ones(1, r, dtype=torch.long)
+        pos = (context + torch.arange(r))[None]
+        with torch.inference_mode():
+            h, _ = model(ids, pos, attn, ())
+            model.logits(h[0])
+
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for r in rows:
+        step(r)  # warm-up
+    for rep in range(repeats):
+        for r in rows if rep % 2 == 0 else rows[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step(r)
+            times[r].append((time.perf_counter() - t0) / inner)
+    status = cpu.status()
+    return {"isa": status["kernels_isa"], "host_isa": status["host_isa"], "threads": torch.get_num_threads(),
+            "decode_ms": statistics.median(times[1]) * 1e3,
+            "ratio": {r: statistics.median(t / d for t, d in zip(times[r], times[1])) for r in rows}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m augury.bench.rows", description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=200, help="tokens in the cache before the rows (default 200)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (default 1,2,4,8,16)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=5, help="steps per timing")
+    ap.add_argument("--isa", default=None, help="levels to measure, comma-separated (default: every level this CPU runs)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    rows = tuple(sorted({1, *map(int, args.rows.split(","))}))
+    if args.worker:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        print(json.dumps(_worker(args.context, rows, args.repeats, args.inner)), flush=True)
+        return
+    from augury.cpu import isa
+
+    levels = args.isa.split(",") if args.isa else [lv for lv in isa.LEVELS if isa.allowed_on_host(lv)]
+    results = []
+    for lv in levels:
+        if not isa.allowed_on_host(lv):
+            print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
+            continue
+        env = dict(os.environ, AUGURY_CPU_ISA=lv)
+        cmd = [sys.executable, "-m", "augury.bench.rows", "--worker", "--context", str(args.context),
+               "--rows", ",".join(map(str, rows)), "--repeats", str(args.repeats), "--inner", str(args.inner)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"target forward + logits, R rows (a chain) after {args.context} tokens, / one decode step "
+          f"(paired medians of {args.repeats})")
+    print("| ISA level | threads | decode step ms | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|---|---|" + "---|" * len(rows))
+    for res in results:
+        print(f"| {res['isa']} | {res['threads']} | {res['decode_ms']:.2f} | "
+              + " | ".join(f"{res['ratio'][str(r)]:.2f}x" for r in rows)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
