@@ -118,7 +118,7 @@ class Ranks:
             topo = _with_port(topo, store.port)
         exchange, shards = None, plan_shards(tcfg, topo.size)
         cap = Shared.capacity(topo.size, tcfg.hidden_size, max(shards[0].vocab_sizes))
-        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and Path("/dev/shm").is_dir() \
+        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and _shm_room(topo.size, cap) \
                 and SharedLib.load() is not None:
             exchange = Path(f"/dev/shm/augury-tp-{os.getpid()}-{topo.port}")
             Shared.create(exchange, topo.size, cap)
@@ -241,6 +241,21 @@ class Ranks:
         torch.set_num_threads(self._threads)
         if _active is self:
             _active = None
+
+
+def _shm_room(size: int, cap: int) -> bool:
+    """/dev/shm exists and has room for the whole channel (a container's small /dev/shm would kill a
+    rank with SIGBUS on the first page past its size: gloo alone then)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    if st.f_bavail * st.f_frsize >= Shared.nbytes(size, cap):
+        return True
+    log.warning("tensor parallelism: /dev/shm has %.0f MiB free, the shared-memory channel needs %.0f MiB; the "
+                "ranks sum through gloo instead (slower)", st.f_bavail * st.f_frsize / 2**20,
+                Shared.nbytes(size, cap) / 2**20)
+    return False
 
 
 def _with_port(topo: Topology, port: int) -> Topology:
