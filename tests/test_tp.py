@@ -185,6 +185,11 @@ def test_two_ranks_speculative_static_tree_equals_plain(tmp_path) -> None:
               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, dtype="float32",
               device="cpu", log_stats_interval=0.0, tensor_parallel_size=2)
     try:
+        # the replicated head reads the whole embedding (rank 0's shard holds half of its rows)
+        from safetensors.torch import load_file
+
+        embed = llm.engine.speculator.proposer.head.embed.weight
+        assert torch.equal(embed, load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"])
         prompts = random_prompts([6, 9, 4], seed=5)
         lengths = (20, 13, 26)
         plain = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,

@@ -110,8 +110,9 @@ def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: b
     with stage("target", notify):
         model, tcfg = load_target(folder, dtype, device, max_len + DRAFT_SLACK, config.quantization,
                                   *((ranks.shard, ranks.group) if ranks is not None else ()))
-        if ranks is not None:
+        if ranks is not None:  # rank 0's target stands in for every rank's (the head gets the whole embedding)
             ranks.wait_loaded()
+            model = ranks.wrap(model, folder)
         tokenizer = load_tokenizer(folder)
     with stage("draft head", notify):
         from augury.speculative.worker import plan_speculation
@@ -137,7 +138,7 @@ def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: b
         speculator = plan.build(num_blocks, bs, config.max_num_seqs, warming=warmup) if plan is not None else None
         attention = PagedBackend(kv.k, kv.v, bs)
         if ranks is not None:  # every rank sizes its cache alike; the engine drives them all from here
-            model, kv, attention = ranks.attach(model, kv, attention, folder, num_blocks, bs)
+            kv, attention = ranks.attach(kv, attention, num_blocks, bs)
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
                         max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator)
     try:

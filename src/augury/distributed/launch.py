@@ -182,14 +182,20 @@ class Ranks:
                                    f"{start_timeout(self.spec.timeout, self.topo.nnodes):.0f} s")
             time.sleep(0.05)
 
-    def attach(self, model, kv, attention, folder: Path, num_blocks: int, block_size: int):
-        """Size every rank's cache and give the engine rank 0's stand-ins: (model, kv, attention)."""
-        from augury.distributed.runner import ReplayedBackend, ShardedKV, ShardedTarget
+    def wrap(self, model, folder: Path):
+        """Rank 0's stand-in for the target (every call also sent to the other ranks; its embed_tokens
+        the whole embedding, for a replicated EAGLE-3 head); stopping it stops every rank."""
+        from augury.distributed.runner import ShardedTarget
+
+        return ShardedTarget(model, self.group, folder, self.close)
+
+    def attach(self, kv, attention, num_blocks: int, block_size: int):
+        """Size every rank's cache and give the engine rank 0's stand-ins: (kv, attention)."""
+        from augury.distributed.runner import ReplayedBackend, ShardedKV
 
         self.group.send(("setup", num_blocks, block_size))
         self.serving = True
-        return ShardedTarget(model, self.group, folder, self.close), ShardedKV(kv, self.group), \
-            ReplayedBackend(attention)
+        return ShardedKV(kv, self.group), ReplayedBackend(attention)
 
     # ------------------------------------------------------------------ faults and the end
     def _failed(self, line: str) -> None:
