@@ -58,6 +58,56 @@ inline T *at(const int64_t *row, int f) {
 
 inline int64_t padded_groups(int64_t K) { return (K / GROUP + CHUNK - 1) / CHUNK * CHUNK; }
 
+// a projection's output rounded to bfloat16 (+ its bias, rounded again), as nn.Linear's
+inline float rounded(float v, const uint16_t *bias, int64_t n) {
+    float y = bf16_to_f32(f32_to_bf16(v + 0.0f));
+    if (bias) y = bf16_to_f32(f32_to_bf16(y + bf16_to_f32(bias[n])));
+    return y;
+}
+
+// rounded() for 8 columns n .. n + 7, the same bits lane for lane
+inline __m256 rounded8(__m256 v, const uint16_t *bias, int64_t n) {
+    __m256 y = augury::bf16_round8(_mm256_add_ps(v, _mm256_setzero_ps()));
+    if (bias) y = augury::bf16_round8(_mm256_add_ps(y, augury::load8(bias, true, n)));
+    return y;
+}
+
+// Where a projection's outputs go: operator() one value (the dense kernel), row16 16 columns of a row
+// (the w4a8 kernel), the same bits either way. ToBf16: out [., ld] bfloat16 = rounded; AddRounded:
+// h [., ld] float32 += rounded; Raw: out [., ld] float32 = the sum as it is (a tensor-parallel partial).
+struct ToBf16 {
+    uint16_t *out;
+    int64_t ld;
+    const uint16_t *bias;
+    void operator()(int64_t m, int64_t n, float v) const { out[m * ld + n] = f32_to_bf16(rounded(v, bias, n)); }
+    void row16(int64_t m, int64_t n0, const float *v) const {
+        for (int e = 0; e < 16; e += 8)
+            augury::store_bf16x8(out + m * ld + n0 + e, rounded8(_mm256_loadu_ps(v + e), bias, n0 + e));
+    }
+};
+
+struct AddRounded {
+    float *h;
+    int64_t ld;
+    const uint16_t *bias;
+    void operator()(int64_t m, int64_t n, float v) const { h[m * ld + n] += rounded(v, bias, n); }
+    void row16(int64_t m, int64_t n0, const float *v) const {
+        for (int e = 0; e < 16; e += 8) {
+            float *p = h + m * ld + n0 + e;
+            _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), rounded8(_mm256_loadu_ps(v + e), bias, n0 + e)));
+        }
+    }
+};
+
+struct Raw {
+    float *out;
+    int64_t ld;
+    void operator()(int64_t m, int64_t n, float v) const { out[m * ld + n] = v; }
+    void row16(int64_t m, int64_t n0, const float *v) const {
+        for (int e = 0; e < 16; e += 8) _mm256_storeu_ps(out + m * ld + n0 + e, _mm256_loadu_ps(v + e));
+    }
+};
+
 // One projection of the rows x [T, K] (bfloat16) whose fields start at f: int4 on the w4a8 kernel
 // (codes, scale, zero, bias), or dense bfloat16 panels (bf16.h) when the scale field is 0 (packed
 // weights, 0, 0, bias). Worksharing loops: every thread of the region calls it.
@@ -170,13 +220,6 @@ struct Stack {
 
     ~Stack() { std::free(mem); }
 
-    // a projection's output rounded to bfloat16 (+ its bias, rounded again), as nn.Linear's
-    static float rounded(float v, const uint16_t *bias, int64_t n) {
-        float y = bf16_to_f32(f32_to_bf16(v + 0.0f));
-        if (bias) y = bf16_to_f32(f32_to_bf16(y + bf16_to_f32(bias[n])));
-        return y;
-    }
-
     void write_aux(int64_t l) {
         for (int64_t a = 0; a < n_aux; a++) {
             if (aux[a] != l) continue;
@@ -206,9 +249,7 @@ struct Stack {
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN1), true, eps, xn + t * H, true);
             bar.wait();
-            project(p, QKV_C, xn, T, aH, xf, NQKV, [&](int64_t m, int64_t n, float v) {
-                        qkv[m * NQKV + n] = f32_to_bf16(rounded(v, qkv_b, n));
-                    }, bar);
+            project(p, QKV_C, xn, T, aH, xf, NQKV, ToBf16{qkv, NQKV, qkv_b}, bar);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 const uint16_t *row = qkv + t * NQKV;
@@ -236,28 +277,24 @@ struct Stack {
                 bar.wait();
             }
             if (part)
-                project(p, O_C, att, T, aQ, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; }, bar);
+                project(p, O_C, att, T, aQ, xf, H, Raw{part, H}, bar);
             else
-                project(p, O_C, att, T, aQ, xf, H,
-                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, o_b, n); }, bar);
+                project(p, O_C, att, T, aQ, xf, H, AddRounded{h, H, o_b}, bar);
         } else {
             const uint16_t *gu_b = at<const uint16_t>(p, GU_B), *dn_b = at<const uint16_t>(p, DN_B);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN2), true, eps, xn + t * H, true);
             bar.wait();
-            project(p, GU_C, xn, T, aH, xf, 2 * I, [&](int64_t m, int64_t n, float v) {
-                        gu[m * 2 * I + n] = f32_to_bf16(rounded(v, gu_b, n));
-                    }, bar);
+            project(p, GU_C, xn, T, aH, xf, 2 * I, ToBf16{gu, 2 * I, gu_b}, bar);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, true, act + t * I);
             bar.wait();
             if (part) {
-                project(p, DN_C, act, T, aI, xf, H, [&](int64_t m, int64_t n, float v) { part[m * H + n] = v; }, bar);
+                project(p, DN_C, act, T, aI, xf, H, Raw{part, H}, bar);
             } else {
-                project(p, DN_C, act, T, aI, xf, H,
-                        [&](int64_t m, int64_t n, float v) { h[m * H + n] += rounded(v, dn_b, n); }, bar);
+                project(p, DN_C, act, T, aI, xf, H, AddRounded{h, H, dn_b}, bar);
                 write_aux(l);
             }
         }

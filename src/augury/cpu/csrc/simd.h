@@ -38,6 +38,24 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
     return static_cast<uint16_t>(u >> 16);
 }
 
+// f32_to_bf16 for 8 lanes, as float32 (the low 16 bits zero): round to nearest even, NaN stays NaN
+// (quiet bit set), the same bits as the scalar function lane for lane.
+inline __m256 bf16_round8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+    const __m256i q = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), hi);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// 8 lanes already rounded to bfloat16 (bf16_round8) stored as 8 bfloat16 values at p
+inline void store_bf16x8(uint16_t *p, __m256 rounded) {
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(p), packed);
+}
+
 // Below this many rows a kernel prepares its rows (rounds or widens them) serially, before its
 // parallel region: waking a thread costs more than a few rows.
 constexpr int64_t SERIAL_ROWS = 16;

@@ -29,12 +29,7 @@ extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
     if (K % GROUP || M < 0 || N < 0 || N % PANEL) return 1;
     OwnedRounded a(M, K, K / GROUP);
     if (!a.ok()) return 2;
-    auto store = [&](int64_t m, int64_t n, float v) {
-        if (y_bf16)
-            static_cast<uint16_t *>(y)[m * N + n] = augury::f32_to_bf16(v);
-        else
-            static_cast<float *>(y)[m * N + n] = v;
-    };
+    const StoreY store{y, y_bf16 != 0, N};
     augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
                              [&](augury::Barrier &bar) { columns(a, M, codes, s, z, N, store, bar); });
     return 0;

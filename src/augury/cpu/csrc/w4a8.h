@@ -218,8 +218,31 @@ inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a, augury::
     bar.wait();
 }
 
-// y[m, n] for every row and column (N a multiple of PANEL); store(m, n, value) receives each in
-// float32 (no bias added). Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
+// The standalone kernel's output: y [M, N] in float32, or rounded to bfloat16 (row16 for w4a8's
+// columns, operator() one value at a time), the same bits either way.
+struct StoreY {
+    void *y;
+    bool bf16;
+    int64_t N;
+    void operator()(int64_t m, int64_t n, float v) const {
+        if (bf16)
+            static_cast<uint16_t *>(y)[m * N + n] = augury::f32_to_bf16(v);
+        else
+            static_cast<float *>(y)[m * N + n] = v;
+    }
+    void row16(int64_t m, int64_t n0, const float *v) const {
+        for (int h = 0; h < 16; h += 8) {
+            const __m256 x = _mm256_loadu_ps(v + h);
+            if (bf16)
+                augury::store_bf16x8(static_cast<uint16_t *>(y) + m * N + n0 + h, augury::bf16_round8(x));
+            else
+                _mm256_storeu_ps(static_cast<float *>(y) + m * N + n0 + h, x);
+        }
+    }
+};
+
+// y[m, n] for every row and column (N a multiple of PANEL); store.row16(m, n0, v) receives y[m, n0 ..
+// n0 + 15] in float32 (no bias added), n0 a multiple of 16. Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
 // while its rows go by ROW_BLOCK at a time, ROW_TILE rows' activations staying in cache.
 template <class Store>
 inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *s, const uint16_t *z,
@@ -246,8 +269,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uin
                     AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
 #undef AUGURY_ROWS
                 }
-                for (int i = 0; i < r; i++)
-                    for (int c = 0; c < PANEL; c++) store(m0 + i, p * PANEL + c, out[i * PANEL + c]);
+                for (int i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
             }
         }
     }
