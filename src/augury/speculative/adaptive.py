@@ -27,7 +27,7 @@ guard (arms.Bucket.guard) compares realized goodput, speculative steps as they r
 steps, and turns a losing bucket off until its next probe whatever the prediction says.
 
 Acceptance: per depth i, the conditional rate P(accept i | accepted i - 1), decayed counts (KEEP per
-observation) over a conservative prior (PRIOR_RATE, or lower where the head's config measured lower,
+step) over a conservative prior (PRIOR_RATE, or lower where the head's config measured lower,
 worth PRIOR_WEIGHT observations); beyond the shape's depth (a grafted prompt-lookup branch), the mean
 extra accepted. Each request keeps its own decayed counts, shrunk towards the batch's rates by as
 much as requests are found to differ (`shrink`: empirical Bayes), so noise in a request's few draws
@@ -49,18 +49,20 @@ from augury.speculative.policy import StepPlan, TreeShape, user_caps
 log = logging.getLogger("augury.speculative")
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # prior conditional acceptance per depth and its pseudo-count
-KEEP = 0.95  # weight the batch-level counts keep at each observation (the last ~20 rows)
-SPREAD_PRIOR = 0.1  # prior variance of acceptance between requests (a standard deviation of 0.3)
+KEEP = 0.95  # weight the batch-level counts keep at each step that observes them (the last ~20 steps)
+SPREAD_PRIOR = 0.04  # prior variance of the first level's acceptance between requests (sd 0.2)
 SPREAD_EMA = 0.05  # weight of each step's estimate of that variance
-SHRINK_MIN, SHRINK_MAX = 1.0, 100.0  # bounds of the pseudo-count a request's own rate is shrunk with
-OWN_KEEP = 0.95  # weight a request's own counts keep at each of its observations (its last ~10 steps)
+SPREAD_MIN_SEEN = 3.0  # a request's observations before its rate counts in that variance
+SHRINK_MIN, SHRINK_MAX = 0.25, 200.0  # bounds of the pseudo-count a request's own rate is shrunk with
+OWN_KEEP = 0.95  # weight a request's own counts keep at each of its observations (its last ~20 steps)
 OPTIMISTIC_RATE = 0.75  # per level, the guess a request is tried again with
-REQ_BACKOFF, REQ_MAX_BACKOFF = 16, 128  # a left-out request's steps before it is tried again (doubling)
+REQ_BACKOFF, REQ_MAX_BACKOFF = 4, 128  # a left-out request's steps before it is tried again (doubling)
 ON_MARGIN, STAY_MARGIN = 1.05, 1.0  # predicted goodput over plain's to turn speculation on / keep it on
-EXPLORE_EVERY = 32  # while speculating: every so many bucket steps one plain step
-DEPTH_EXPLORE_EVERY = 128  # ... and a chain's stalest depth, re-measured afresh (a probe)
+EXPLORE_EVERY = 40  # while speculating: every so many bucket steps one plain step
+DEPTH_EXPLORE_EVERY = 256  # ... and a chain's stalest depth, re-measured afresh (a probe)
 FIXED_ROWS, ROW_SHARE = 1.0, 0.5  # drafting's extra: a fixed part worth this many rows; a row's part not per node
 LEAST_DRAFT_COST = 1.1  # a drafting step costs at least this many plain steps (the draft forwards)
+PROBE_CLEAR = 1.25  # a probe stops once drafting, as predicted from its own steps, loses by this factor
 MIN_SHARE = 0.25  # a step that drafted under this share of the whole shape's extra is not timed
 DINKELBACH_ROUNDS = 20  # the iteration converges in a handful; a bound all the same
 
@@ -98,7 +100,7 @@ class AdaptivePolicy:
         self.acc = [r * PRIOR_WEIGHT for r in rates]
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.tail, self.tail_n = 0.0, PRIOR_WEIGHT  # extra accepted past depth S, decayed sum and count
-        self.spread = [SPREAD_PRIOR] * shape.num_steps  # variance of the rate between requests, per depth
+        self.spread = SPREAD_PRIOR  # variance of the first level's rate between requests
         self.buckets: dict[int, Bucket] = {}
         self.steps = 0
         self.choices: dict[int, int] = {}
@@ -134,30 +136,39 @@ class AdaptivePolicy:
         """E(depth) at the batch-level rates (past the shape's depth not included)."""
         return _expected(self.rates(), 0.0)[0][depth]
 
-    def shrink(self) -> list[float]:
-        """Per depth, the pseudo-count at the batch's rate a request's own counts are shrunk with:
-        p(1-p) / tau^2, tau^2 the variance of the rate between requests. Requests that all accept
-        alike (tau^2 ~ 0) keep the batch's rate, whatever their own few draws say; requests that
-        differ (a copy beside free text) soon have their own."""
-        return [min(max(p * (1 - p) / max(v, 1e-6), SHRINK_MIN), SHRINK_MAX) for p, v in zip(self.rates(), self.spread)]
+    def shrink(self) -> float:
+        """The pseudo-count at the batch's rates a request's own counts are shrunk with: p(1-p) / tau^2,
+        p the first level's rate and tau^2 the variance of it between requests (measured at the first
+        level, where every drafting request is observed; deeper ones see a selection). Requests that
+        all accept alike (tau^2 ~ 0) keep the batch's rates, whatever their own few draws say;
+        requests that differ (a copy beside free text) soon have their own."""
+        p = self.rates()[0]
+        return min(max(p * (1 - p) / max(self.spread, 1e-6), SHRINK_MIN), SHRINK_MAX)
 
     def request_rates(self, req: Request) -> list[float]:
         """req's conditional acceptance per depth: its own counts shrunk towards the batch-level
-        rates (exactly those before it has drafted)."""
+        rates (exactly those before it has drafted); deeper than its first level, towards the batch's
+        rate scaled as its own first level compares with the batch's (a request that rejects its first
+        drafts more than the batch likely rejects its later ones more too)."""
         rates = self.rates()
         own = self.own.get(req)
         if own is None:
             return rates
-        return [(a + k * g) / (o + k) for a, o, g, k in zip(own.acc, own.off, rates, self.shrink())]
+        k, out = self.shrink(), []
+        for i, (a, o, g) in enumerate(zip(own.acc, own.off, rates)):
+            if i:
+                g = min(g * out[0] / max(rates[0], 1e-6), 0.98)
+            out.append((a + k * g) / (o + k))
+        return out
 
     def _learn_spread(self, owns: list[_Own | None]) -> None:
-        """Method of moments over this batch's requests: tau^2 ~ mean of (r_j - p)^2 - p(1-p)/n_j
-        (the spread of their own rates less what sampling alone spreads them by), per depth."""
-        for i, p in enumerate(self.rates()):
-            got = [(o.acc[i] / o.off[i], o.off[i]) for o in owns if o is not None and o.off[i] >= 1.0]
-            if len(got) >= 4:
-                est = sum((r - p) ** 2 - p * (1 - p) / n for r, n in got) / len(got)
-                self.spread[i] = (1 - SPREAD_EMA) * self.spread[i] + SPREAD_EMA * max(est, 0.0)
+        """Method of moments over this batch's requests at the first level: tau^2 ~ mean of
+        (r_j - p)^2 - p(1-p)/n_j (the spread of their own rates less what sampling alone spreads them by)."""
+        p = self.rates()[0]
+        got = [(o.acc[0] / o.off[0], o.off[0]) for o in owns if o is not None and o.off[0] >= SPREAD_MIN_SEEN]
+        if len(got) >= 2:
+            est = sum((r - p) ** 2 - p * (1 - p) / n for r, n in got) / len(got)
+            self.spread = (1 - SPREAD_EMA) * self.spread + SPREAD_EMA * max(est, 0.0)
 
     def request_expected(self, req: Request) -> list[float]:
         """E_r(d), d = 0..S: req's expected accepted drafts when offered d levels."""
@@ -165,7 +176,7 @@ class AdaptivePolicy:
 
     def _request(self, req: Request) -> Expected:
         own = self.own.get(req)
-        k = self.shrink()[-1]
+        k = self.shrink()
         tail = self.tail_mean() if own is None else (own.tail + k * self.tail_mean()) / (own.tail_n + k)
         return _expected(self.request_rates(req), tail)
 
@@ -182,7 +193,7 @@ class AdaptivePolicy:
         if (self.threshold is not None and b > self.threshold) or not any(c != 0 for c in caps):
             return StepPlan(None, tuple(0 for _ in reqs))
         owns = [self._own(r) if c != 0 else None for r, c in zip(reqs, caps)]
-        self._learn_spread(owns)
+        self._learn_spread(owns)  # over every request that may draft, those left out included
         due = [o is not None and o.due() for o in owns]
         regular = [self._request(r) for r in reqs]
         expected = [self._optimistic(r) if d else e for r, d, e in zip(reqs, due, regular)]
@@ -234,7 +245,7 @@ class AdaptivePolicy:
         depths = self.depths()
         times = bk.times(depths, self.max_shape.num_steps)
         if bk.probe is not None:
-            if not bk.probe_done() and not self._hopeless(bk, b, times[0], expected):
+            if not bk.probe_done() and not self._hopeless(bk, b, times, caps, expected):
                 bk.probe_left -= 1
                 pick = self._whole(bk.probe, caps, expected)
                 rows = self._best(b, times, caps, expected)[2] if bk.on else self._probe_rows(caps, regular)
@@ -288,14 +299,23 @@ class AdaptivePolicy:
         whole = self._whole(self.max_shape.num_steps, caps, regular)
         return [row for row, (_, e) in whole.items() if e > ON_MARGIN * LEAST_DRAFT_COST - 1.0]
 
-    def _hopeless(self, bk: Bucket, b: int, t0: float | None, expected: list[Expected]) -> bool:
-        """A probe already timed twice so slow that drafting could not pay even if every request
-        accepted everything it is expected to at best: it stops there (a dear arm costs little to learn)."""
-        fresh = bk.arm(bk.probe).fresh
+    def _hopeless(self, bk: Bucket, b: int, times: list[float | None], caps, expected: list[Expected]) -> bool:
+        """A probe that already shows drafting losing stops there (a dear arm costs little to learn):
+        after two timed steps, if it could not pay even were every draft accepted; after three, if
+        at the requests' expected acceptance it loses to plain decoding by a clear margin."""
+        fresh, t0 = bk.arm(bk.probe).fresh, times[0]
         if t0 is None or not fresh or len(fresh) < 2:
             return False
+        secs = sorted(x for _, x in fresh)
         best = b + sum(max(e[-1] + extra, bk.probe) for e, extra in expected)
-        return best / min(s for _, s in fresh) < b / t0
+        if best / secs[0] < b / t0:
+            return True
+        if len(fresh) < 3:
+            return False
+        probed = list(times)
+        probed[bk.probe] = secs[len(secs) // 2]
+        whole = self._whole(bk.probe, caps, expected)
+        return self.goodput_of(b, bk.probe, probed, whole) * PROBE_CLEAR < b / t0
 
     def _count(self, depth: int, pick: dict, kind: str) -> tuple[int, dict, str]:
         depth = depth if pick else 0
@@ -303,11 +323,22 @@ class AdaptivePolicy:
         return depth, pick, kind
 
     def _probe(self, bk: Bucket, caps, expected, rows: list[int]) -> tuple[int, dict, str]:
-        """Start measuring a drafting arm afresh: the deepest never measured, else the stalest; the
-        rows given draft the whole shape."""
+        """Start measuring a drafting arm afresh: the deepest never measured, else the one predicted to
+        do best (if even it loses now, the others most likely do too); the rows given draft the whole
+        shape."""
         depths = self.depths()
         unseen = [x for x in depths if bk.arm(x).seconds() is None]
-        depth = max(unseen) if unseen else min(depths, key=lambda x: bk.arm(x).last)
+        if unseen:
+            depth = max(unseen)
+        else:
+            times = bk.times(depths, self.max_shape.num_steps)
+            b = len(caps)
+
+            def predicted(d: int) -> float:
+                whole = self._whole(d, caps, expected)
+                return self.goodput_of(b, d, times, {row: whole[row] for row in rows if row in whole})
+
+            depth = max(depths, key=predicted)
         bk.start_probe(depth)
         bk.probe_left -= 1
         log.debug("probing depth %d at batch bucket %d (back-off %d)", depth, bucket_of(len(caps)), bk.backoff)
@@ -355,7 +386,7 @@ class AdaptivePolicy:
         if not pick or not depth:
             return batch / max(t0, 1e-12)
         share = self.drafting_share(batch, depth, [n for n, _ in pick.values()])
-        t = t0 + max(times[depth] - t0, 0.0) * share
+        t = t0 + _extra(t0, times[depth]) * share
         return (batch + sum(e for _, e in pick.values())) / max(t, 1e-12)
 
     def _allocate(self, batch: int, depth: int, t0: float, td: float, options: list[list[tuple[int, float]]]
@@ -364,7 +395,7 @@ class AdaptivePolicy:
         per row of drafting's extra: for the current goodput L each row takes the option with the
         largest E - L s c (if positive), the drafting rows together paying F; that allocation's
         goodput exceeds L unless L is already the best. Starts from L = plain's goodput."""
-        s = max(td - t0, 0.0) / (FIXED_ROWS + batch)
+        s = _extra(t0, td) / (FIXED_ROWS + batch)
         best_g, best = batch / max(t0, 1e-12), {}
         for _ in range(DINKELBACH_ROUNDS):
             mu = best_g * s
@@ -431,11 +462,15 @@ class AdaptivePolicy:
         depth = shape.num_steps if shape else 0
         if shape is not None:
             self._learn(shape, accepted, offered, reqs)
-        if not timed:
-            return
         bk = self.buckets.get(bucket_of(batch_size))
         if bk is None:
             bk = self.buckets[bucket_of(batch_size)] = Bucket()
+        t0 = bk.arm(0).seconds()
+        if shape is not None and bk.probe == depth and t0:
+            # what probing costs beyond plain decoding, its catch-up included: the next one waits accordingly
+            bk.probe_spent += max(seconds / t0 - 1.0, 0.0)
+        if not timed:
+            return
         if shape is None:
             bk.arm(0).add(batch_size, seconds, bk.steps)
             return
@@ -449,7 +484,6 @@ class AdaptivePolicy:
         share = 1.0 if sizes is None else self.drafting_share(batch_size, depth, [n - 1 for n in sizes])
         if share < 1.0:
             # rows cut short or left out: scale the drafting part up to the whole shape's
-            t0 = bk.arm(0).seconds()
             if share < MIN_SHARE or t0 is None:
                 return
             seconds = max(seconds, t0 + (seconds - t0) / share)
@@ -464,22 +498,37 @@ class AdaptivePolicy:
         request's tree reached depth i: its budget may have cut it shorter); past the shape's full
         depth, the extra accepted (a prompt-lookup branch)."""
         s = self.max_shape.num_steps
+        off, acc, tail = [0.0] * s, [0.0] * s, []
         for j, a in enumerate(accepted):
             reach = shape.num_steps if offered is None else min(offered[j], shape.num_steps)
             own = self._own(reqs[j]) if reqs is not None else None
             for i in range(min(a + 1, reach)):
                 hit = 1.0 if i < a else 0.0
-                self.off[i] = KEEP * self.off[i] + 1.0
-                self.acc[i] = KEEP * self.acc[i] + hit
+                off[i] += 1.0
+                acc[i] += hit
                 if own is not None:
                     own.off[i] = OWN_KEEP * own.off[i] + 1.0
                     own.acc[i] = OWN_KEEP * own.acc[i] + hit
             if shape.num_steps == s and reach == s and a >= s:
-                self.tail = KEEP * self.tail + (a - s)
-                self.tail_n = KEEP * self.tail_n + 1.0
+                tail.append(a - s)
                 if own is not None:
                     own.tail = OWN_KEEP * own.tail + (a - s)
                     own.tail_n = OWN_KEEP * own.tail_n + 1.0
+        # the batch-level counts forget per step (a depth only where it was offered), so a large batch
+        # does not forget within a step what a small one remembers for twenty
+        for i in range(s):
+            if off[i]:
+                self.off[i] = KEEP * self.off[i] + off[i]
+                self.acc[i] = KEEP * self.acc[i] + acc[i]
+        if tail:
+            self.tail = KEEP * self.tail + sum(tail)
+            self.tail_n = KEEP * self.tail_n + len(tail)
+
+
+def _extra(t0: float, td: float) -> float:
+    """Drafting's measured extra over a plain step, at least (LEAST_DRAFT_COST - 1) x a plain step: two
+    noisy figures a little apart must not make drafting look free (every row would then draft)."""
+    return max(td - t0, (LEAST_DRAFT_COST - 1.0) * t0)
 
 
 def _expected(rates: list[float], tail: float) -> Expected:
