@@ -77,6 +77,11 @@ inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t
 constexpr int PANEL = 16;
 constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
+// Ask for bytes [p, p + n) in cache ahead of use (a hint: never faults, past the end included)
+inline void prefetch_next(const void *p, int n) {
+    for (int c = 0; c < n; c += 64) _mm_prefetch(static_cast<const char *>(p) + c, _MM_HINT_T0);
+}
+
 inline int32_t load_i32(const int8_t *p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -111,6 +116,7 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *blk = pc + g * PANEL_BYTES;
+        prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);  // the next panel's group: loads overlap the arithmetic
         __m512i ia[R];
         for (int r = 0; r < R; r++) ia[r] = _mm512_setzero_si512();
         for (int b = 0; b < 4; b++) {
@@ -154,6 +160,7 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *blk = pc + g * PANEL_BYTES + 32 * h;
+            if (h == 0) prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
             __m256i ia[R];
             for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
             for (int b = 0; b < 4; b++) {

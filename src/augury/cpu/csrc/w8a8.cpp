@@ -33,6 +33,7 @@ inline void panel8(const int8_t *pw, const float *ps, int64_t G, int64_t Gp, con
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *blk = pw + g * W8_PANEL_BYTES;
+        prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
         __m512i ia[R];
         for (int r = 0; r < R; r++) ia[r] = _mm512_setzero_si512();
         for (int b = 0; b < 8; b++) {
@@ -57,6 +58,7 @@ inline void panel8(const int8_t *pw, const float *ps, int64_t G, int64_t Gp, con
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
             const int8_t *blk = pw + g * W8_PANEL_BYTES + 32 * h;
+            if (h == 0) prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
             __m256i ia[R];
             for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
             for (int b = 0; b < 8; b++) {
