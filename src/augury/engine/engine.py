@@ -49,7 +49,7 @@ class Speculator(Protocol):
         ...
 
     def after_warmup(self, host: "Engine") -> None:
-        """Start-up calibration, once the engine has passed its warm-up request."""
+        """The engine has passed its warm-up request: from now on steps are measured (nothing is profiled)."""
         ...
 
 
@@ -241,29 +241,6 @@ class Engine:
 
     def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.kv.copy_slots(src, dst)
-
-    def scratch_forward(self, batch: int, n: int, ctx: int):
-        """A callable running the target as a verification of `batch` chains of n nodes over ctx cached
-        tokens would (exact attention, logits at one node per request), in free cache blocks (what they
-        hold is garbage, and nothing is committed); None if the free blocks do not suffice. For start-up
-        profiling only: call it while no request runs."""
-        per_req = -(-(ctx + n) // self.block_size)
-        if self.allocator.num_free != self.allocator.num_usable:
-            raise RuntimeError("scratch_forward needs an idle engine: requests hold KV blocks")
-        self.reset_prefix_cache()  # the scratch forward overwrites whatever the cached blocks hold
-        if batch * per_req > self.allocator.num_free:
-            return None
-        tables = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(batch)]  # free at start-up
-        chain = (torch.arange(n) - 1).expand(batch, n)
-        attn = self.attention.prepare_tree(tables, [ctx] * batch, chain)
-        ids = torch.ones(batch, n, dtype=torch.long, device=self.device)
-        pos = (ctx + torch.arange(n)).expand(batch, n).to(self.device)
-
-        def run() -> None:
-            h, _ = self.model(ids, pos, attn, ())
-            self.model.logits(h[:, -1])  # steps compute logits at ~one node per request
-
-        return run
 
     def _wants_aux(self, reqs: list[Request]) -> bool:
         """Whether this forward collects the target features a proposer reads: not when every request
