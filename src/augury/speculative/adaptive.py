@@ -2,27 +2,30 @@
 on the machine it runs on, as its own steps measured it, down to nothing.
 
 One decision rule (`_decide`; `plan` feeds it each request's own acceptance, `choose` the batch's).
-For a batch of B requests in bucket k (arms.py), with t_0 and t_D the measured median step times of
-plain decoding and of drafting depth D there (arms.py: per bucket and depth, nothing shared across
-depths or derived from a model), each request r with its own expected accepted drafts E_r(n) for n
-draft nodes, the step's goodput when the rows r drafting n_r nodes draft is
+For a batch of B requests in its bucket (arms.py), with t_0 and t_D the measured step times of plain
+decoding and of drafting depth D there (arms.py: trimmed means of recent timed steps per bucket and
+depth; nothing shared across depths or derived from a model), and each request r with its own
+expected accepted drafts E_r(n) for n draft nodes, the step's goodput when rows drafting n_r nodes
+draft is
 
     G(D, n) = (B + sum_r E_r(n_r)) / (t_0 + (t_D - t_0) * (F + sum_{r: n_r > 0} c(n_r)) / (F + B))
 
-(the measured extra of drafting the whole shape, in the share the drafting rows take of it: F =
-FIXED_ROWS rows' worth for the draft forwards, a row c(n) = ROW_SHARE + (1 - ROW_SHARE) n / N_D of a
-whole row; all rows whole gives t_D, none t_0), maximised over each request's n_r (0; a chain any
-depth up to D, a tree all of it; never above its max_draft_tokens) by Dinkelbach's iteration: for the
-current goodput L each request takes the n_r maximising E_r(n_r) - L dT/dn_r on its own, which raises
-G until nothing changes; a request whose acceptance cannot pay for its nodes gets 0 (a root-only row)
-while others draft. The best G over the depths is compared with plain decoding's B / t_0, with
-hysteresis: speculation goes on above ON_MARGIN x, stays on above STAY_MARGIN x.
+(the measured extra of drafting the whole shape, at least LEAST_DRAFT_COST - 1 plain steps, in the
+share the drafting rows take of it: F = FIXED_ROWS rows' worth for the draft forwards, a row
+c(n) = ROW_SHARE + (1 - ROW_SHARE) n / N_D of a whole row; all rows whole gives t_D, none t_0),
+maximised over each request's n_r (0; a chain any depth up to D, a tree all of it; never above its
+max_draft_tokens) by Dinkelbach's iteration: for the current goodput L each request takes the n_r
+maximising E_r(n_r) - L dT/dn_r on its own, which raises G until nothing changes; a request whose
+acceptance cannot pay for its nodes gets 0 (a root-only row) while others draft. The best G over
+the measured depths is compared with plain decoding's B / t_0, with hysteresis: speculation goes
+on above ON_MARGIN x, stays on above STAY_MARGIN x.
 
 Both arms are measured while either runs: while speculating, every EXPLORE_EVERY-th step of a bucket
-decodes plainly (timed by the engine), and for a chain the depth measured longest ago is drafted
-halfway between; while not, the drafting arm is probed (arms.Bucket: MIN_SEEN fresh timed steps
-replace its window) after a back-off that doubles each time the probe loses. A bucket starts plain
-(conservative: nothing is assumed about this machine), measures that, then probes drafting. The
+decodes plainly (timed by the engine), and a chain re-measures its stalest depth every
+DEPTH_EXPLORE_EVERY steps; while not, drafting is probed (arms.Bucket: MIN_SEEN fresh timed steps
+replace its window; only rows that could pay draft; the probe stops once it clearly loses) after a
+back-off that doubles each time it loses and is stretched by what the last probe cost. A bucket
+starts plain (nothing is assumed about this machine), measures that, then probes drafting. The
 guard (arms.Bucket.guard) compares realized goodput, speculative steps as they ran against plain
 steps, and turns a losing bucket off until its next probe whatever the prediction says.
 
@@ -31,10 +34,11 @@ step) over a conservative prior (PRIOR_RATE, or lower where the head's config me
 worth PRIOR_WEIGHT observations); beyond the shape's depth (a grafted prompt-lookup branch), the mean
 extra accepted. Each request keeps its own decayed counts, shrunk towards the batch's rates by as
 much as requests are found to differ (`shrink`: empirical Bayes), so noise in a request's few draws
-does not keep it from drafting when all accept alike. A request left out is tried again with an optimistic guess (OPTIMISTIC_RATE per
-level) after its own back-off (REQ_BACKOFF, doubling while it keeps failing, reset once it drafts
-on its own merit); a new request starts with such a try, so a request that copies its prompt drafts
-even after others taught the batch's rates that drafting fails.
+does not keep it from drafting when all accept alike; deeper levels it has seen little of follow
+its first. A request left out is tried again with an optimistic guess (OPTIMISTIC_RATE per level)
+after its own back-off (REQ_BACKOFF, doubling while it keeps failing, reset once it drafts on its
+own merit); a new request starts with such a try, so a request that copies its prompt drafts even
+after others taught the batch's rates that drafting fails.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import weakref
 from collections.abc import Sequence
 
 from augury.core.request import Request
-from augury.speculative.arms import MIN_SEEN, Bucket, bucket_of
+from augury.speculative.arms import Bucket, bucket_of
 from augury.speculative.policy import StepPlan, TreeShape, user_caps
 
 log = logging.getLogger("augury.speculative")
@@ -272,7 +276,7 @@ class AdaptivePolicy:
         if not on and bk.on:
             bk.switch(False)
             self._log(bk, key, on, d, g, plain, times)
-        elif not on and (probed or (not bk.decided and d is not None and any(times[x] for x in depths))):
+        elif not on and (probed or (not bk.decided and any(times[x] for x in depths))):
             bk.lost()  # drafting, measured, loses here: measured again after the back-off
         if not on and bk.steps >= bk.probe_at and probe_rows:
             return self._probe(bk, caps, expected, probe_rows)

@@ -5,17 +5,19 @@ An arm is a draft depth: 0 is plain decoding, d > 0 drafting d levels. Per bucke
 within a factor of 1.5 of each other) and arm, the wall time of the last WINDOW steps that did
 nothing else (a step that also caught the head up on a backlog is not timed; a step whose rows
 drafted only part of the shape is scaled up to the whole shape, see AdaptivePolicy.observe); an
-arm's estimate is their median, once it has MIN_SEEN of them, and no arm's figure is derived from
-another's. A probe re-measures one arm from scratch: its old window is replaced by MIN_SEEN fresh
-steps, so no median stays frozen at what an arm cost long ago.
+arm's estimate is their trimmed mean (robust to a shared machine's spikes like a median, and less
+noisy), once it has MIN_SEEN of them, and no arm's figure is derived from another's. A probe
+re-measures one arm from scratch: its old window is replaced by MIN_SEEN fresh steps, so no
+estimate stays frozen at what an arm cost long ago.
 
 The guard: while a bucket speculates, the realized goodput of its last speculative steps as they
-ran (tokens emitted over the median step time) is compared with plain decoding's in the same bucket
+ran (mean tokens emitted over the trimmed mean step time) is compared with plain decoding's in the same bucket
 (its last plain steps, explored while speculating); below GUARD_MARGIN of it, speculation goes off
 for the bucket whatever the prediction says, and is tried again (a probe) after a back-off that
 doubles each time it loses again (BASE_BACKOFF .. MAX_BACKOFF bucket steps) and falls back to the
 base once speculation has held for RESET_AFTER steps; where drafting steps are dear, probes are
-spaced so that they cost at most EXPLORE_BUDGET of the time.
+spaced so that they cost at most EXPLORE_BUDGET of the time (what the last probe cost beyond plain
+decoding, its catch-up included, over the steps until the next).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from collections import deque
 
 WINDOW = 15  # timed steps kept per (bucket, arm)
 TRIM = 0.2  # an arm's estimate drops this share of its slowest and of its fastest steps (a shared machine's spikes)
-MIN_SEEN = 5  # timed steps of an arm before its median counts (and a probe's length, timed)
+MIN_SEEN = 5  # timed steps of an arm before its estimate counts (and a probe's length, timed)
 PROBE_STEPS = MIN_SEEN + 3  # most steps a probe runs (its first step may catch up a backlog, untimed)
 GUARD_WINDOW = 32  # speculative steps, as run, whose realized goodput the guard judges
 GUARD_MIN = 16  # ... at least this many before it judges (and again every GUARD_MIN // 2 steps)
@@ -66,18 +68,18 @@ class Arm:
             self.fresh = None
 
     def seconds(self) -> float | None:
-        """Median seconds per step, or None before MIN_SEEN timed steps."""
+        """Seconds per step (trimmed mean), or None before MIN_SEEN timed steps."""
         if len(self.recent) < MIN_SEEN:
             return None
         return trimmed_mean([s for _, s in self.recent])
 
     def rough(self) -> float | None:
-        """Median seconds of whatever it has (a probe's steps first), None if nothing."""
+        """Seconds per step from whatever it has (a probe's steps first), None if nothing."""
         got = self.fresh or self.recent
         return trimmed_mean([s for _, s in got]) if got else None
 
     def goodput(self) -> float | None:
-        """Realized tokens per second: mean tokens per step over the median step time."""
+        """Realized tokens per second: mean tokens per step over the trimmed mean step time."""
         t = self.seconds()
         return None if t is None else statistics.fmean(k for k, _ in self.recent) / max(t, 1e-12)
 
@@ -107,7 +109,7 @@ class Bucket:
         return a
 
     def times(self, depths: list[int], deepest: int) -> list[float | None]:
-        """Estimated seconds per step at depth 0..deepest: the measured median where there is one;
+        """Estimated seconds per step at depth 0..deepest: the measured estimate where there is one;
         a depth not measured yet (a chain's) lies on the line between its measured neighbours (an
         optimistic guess: choosing it measures it), None beyond the deepest measured one; never
         less than a shallower depth's (more drafting cannot be cheaper)."""
