@@ -114,3 +114,42 @@ def test_the_fused_stack_gives_the_same_bits_with_any_thread_count(tiny_checkpoi
         assert fixed.seen and set(fixed.seen) == {n}
         outs.append([(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]) for o in got])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(cpu_kernels.elementwise() is None, reason="augury's CPU kernels do not run here")
+def test_a_thread_scope_sets_this_threads_count_only_and_restores_it(monkeypatch) -> None:
+    """Inside kernels.thread_scope torch's operators in this thread run with the measured count; on
+    exit this thread's count is back; another thread's is untouched all along; the choice keeps
+    reading the process's count, not the scope's."""
+    import threading
+
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fixed = _Fixed(1)
+        fixed.max_threads = threads.torch_threads
+        monkeypatch.setattr(threads, "_choice", fixed)
+        fixed.pick(1)  # the last pick: 1 thread
+        seen = {}
+        inside = threading.Event()
+        done = threading.Event()
+
+        def other() -> None:
+            inside.wait()
+            seen["other"] = torch.get_num_threads()
+            done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        with cpu_kernels.thread_scope():
+            seen["inside"] = torch.get_num_threads()
+            seen["process"] = threads.torch_threads()
+            inside.set()
+            done.wait(10)
+        t.join()
+        assert seen == {"inside": 1, "process": 2, "other": 2}
+        assert torch.get_num_threads() == 2 and threads.torch_threads() == 2
+    finally:
+        torch.set_num_threads(old)
