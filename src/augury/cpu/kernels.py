@@ -31,7 +31,6 @@ as many as cpu/threads.py found fastest on this machine now (`threads.current()`
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import math
@@ -77,28 +76,6 @@ def _expect(kernel: str, what: str, t: torch.Tensor, dtypes: tuple[torch.dtype, 
 def _threads() -> int:
     """The thread count a kernel call runs with (cpu/threads.py: torch's, or the measured choice)."""
     return cpu_threads.current()
-
-
-@contextlib.contextmanager
-def thread_scope():
-    """torch's own operators in this block, in this thread only, run with the kernels' measured thread
-    count (threads.current()): the OpenMP thread count of the calling thread (not the process's
-    setting: other threads, a host application's, keep theirs) is set on entry and restored on exit."""
-    k = elementwise()
-    if k is None:
-        yield
-        return
-    outer = k.omp_max_threads()
-    cpu_threads.enter_scope(outer)
-    try:
-        n = min(cpu_threads.current(), outer)
-        if n != outer:
-            k.omp_set_threads(n)
-        yield
-    finally:
-        if k.omp_max_threads() != outer:
-            k.omp_set_threads(outer)
-        cpu_threads.leave_scope()
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
@@ -329,8 +306,6 @@ class Elementwise:
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
         self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
-        self.omp_max_threads = _bind(self._lib, "augury_omp_max_threads", [], _I32)
-        self.omp_set_threads = _bind(self._lib, "augury_omp_set_threads", [_I32])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""

@@ -13,8 +13,7 @@ a change of load is noticed within a few hundred calls while a losing count cost
 1 / explore_max of the calls once settled. A count replaces the current one only when its median is
 lower by more than `margin` (hysteresis against noise). The kernels give the same bits with any
 thread count (threads split rows or columns, never one value's sum), so the choice changes speed
-only. torch's own thread setting, the process's, is never changed; within an engine step
-(kernels.thread_scope) the engine's thread alone runs torch's operators with the chosen count.
+only. torch's own thread setting, the process's, is never changed.
 
 `choice()` is the process's instance; `current()` is the count its last pick gave: every other call of
 augury's kernels (the output layer right after the stack, prefill's linears) runs with it.
@@ -28,22 +27,6 @@ from collections import deque
 from typing import Callable
 
 import torch
-
-
-_outer: list[int] = []  # torch's count outside kernels.thread_scope blocks (innermost last)
-
-
-def enter_scope(outer: int) -> None:
-    _outer.append(outer)
-
-
-def leave_scope() -> None:
-    _outer.pop()
-
-
-def torch_threads() -> int:
-    """torch's thread count as the process has it (inside a thread_scope, the count outside it)."""
-    return _outer[0] if _outer else torch.get_num_threads()
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -72,7 +55,7 @@ class _Bucket:
 class ThreadChoice:
     """Thread counts for the fused stack, by measurement (see the module's docstring)."""
 
-    def __init__(self, max_threads: Callable[[], int] = torch_threads, window: int = 7,
+    def __init__(self, max_threads: Callable[[], int] = torch.get_num_threads, window: int = 7,
                  min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256) -> None:
         self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max

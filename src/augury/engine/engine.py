@@ -5,7 +5,6 @@ constructor only assigns them, so it cannot exist half-built.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -16,7 +15,6 @@ import torch
 
 from augury.attention import AttentionBackend
 from augury.config import EngineConfig
-from augury.cpu import kernels as cpu_kernels
 from augury.engine.detokenizer import IncrementalDetokenizer
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.request import Request, Status
@@ -166,12 +164,6 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        # on the CPU torch's operators of this step, in this thread only, take the kernels' measured
-        # thread count (cpu/threads.py): on a shared core two threads can cost several times one
-        with cpu_kernels.thread_scope() if self.device.type == "cpu" else contextlib.nullcontext():
-            return self._step(batch)
-
-    def _step(self, batch) -> list[RequestOutput]:
         if batch.prefill:
             touched = self._run_prefill(batch)
         else:

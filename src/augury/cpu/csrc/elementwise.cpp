@@ -3,8 +3,6 @@
 // residual stream, the rotary embedding and the MLP's silu(gate) * up. Each computes in float32 and
 // rounds its output once; every row on its own, in one fixed order (threads split rows past 64), so
 // rows are batch-invariant. The row functions live in elementwise.h (forward.cpp runs the same).
-#include <omp.h>
-
 #include <cstdint>
 
 #include "elementwise.h"
@@ -41,8 +39,3 @@ extern "C" void augury_silu_mul(const void *gu, int64_t rows, int64_t n, int bf1
         augury::silu_mul_row(g, g + n * b, n, bf16 != 0, static_cast<char *>(out) + r * n * b);
     }
 }
-
-// The calling thread's OpenMP thread count (its nthreads ICV, which torch's own parallel operators read
-// in that thread: the runtime is torch's libgomp, loaded once per process); set it for this thread only.
-extern "C" int augury_omp_max_threads() { return omp_get_max_threads(); }
-extern "C" void augury_omp_set_threads(int n) { omp_set_num_threads(n > 0 ? n : 1); }
