@@ -21,6 +21,7 @@ from augury.models.llama import plan_shards
 from augury.models.loader import load_target
 from augury.stages import StartupError
 from conftest import random_prompts
+from test_quant import q4_gguf  # noqa: F401 - the fixture: a tiny GGUF in Q4_0/Q4_1 with its int4 side file
 
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
 
@@ -429,3 +430,24 @@ def test_two_machines_meet_at_dist_init_addr(tiny_checkpoint, tmp_path) -> None:
     assert [p.returncode for p in procs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
     assert outs[0][0] == ""  # machine 1 computes and prints nothing
     assert outs[1][0].strip() == f"tokens {_want_tokens(folder)} gloo"  # across machines: gloo alone
+
+
+@TWO_CORES
+def test_two_ranks_read_their_slices_of_a_gguf_native_int4_file(q4_gguf) -> None:
+    """The int4 side file of a GGUF conversion sliced per rank (rows, or whole groups of 32 columns, of its
+    codes, scales and zeros; the MLP's 96 columns split 32 + 64): float32 logits as one process's."""
+    from augury.models import quant
+
+    _, folder, _ = q4_gguf
+    prompt = [5, 70, 256, 257, 33, 100, 12]
+    common = dict(dtype="float32", quantization="int4", device="cpu", speculative_algorithm="none",
+                  log_stats_interval=0.0)
+    want = _logits(LLM(str(folder), **common).engine, prompt)
+    two = LLM(str(folder), tensor_parallel_size=2, **common)
+    try:
+        local = two.engine.model.local
+        assert local.quantization == "int4" and isinstance(local.layers[0].mlp.down_proj, quant.Int4Linear)
+        assert local.layers[0].mlp.down_proj.in_features == 32
+        torch.testing.assert_close(_logits(two.engine, prompt), want, rtol=0, atol=1e-4)
+    finally:
+        _close(two)
