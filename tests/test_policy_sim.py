@@ -26,7 +26,7 @@ from augury.speculative.arms import MAX_SPACING, PROBE_STEPS
 from augury.speculative.policy import StaticPolicy, TreeShape
 
 TREE, CHAIN = TreeShape(3, 4, 8), TreeShape(4, 1, 5)
-CONVERGE = 60  # steps of a batch size after which the losing arm gets at most 5% of steps
+CONVERGE = 200  # steps of a batch size after which the losing arm gets at most 5% of steps (two probes)
 RECOVER = MAX_SPACING + 2 * PROBE_STEPS + CONVERGE  # steps after a regime change before it holds again
 NOISE = 0.3
 CATCH_UP_WINDOW = 128  # most tokens a request's head catches up on (the worker's window)

@@ -166,12 +166,13 @@ def _as_folders(config: EngineConfig) -> ResolvedModel:
 
 
 def run_warmup(engine: Engine) -> None:
-    """One short greedy request through the whole path (a speculator warming up alternates plain and
-    drafting steps, and tells its policy nothing); it must finish and free its blocks. Nothing is
-    profiled: the adaptive policy measures both arms online, each batch bucket starting plain."""
+    """One short greedy request through the whole path (a speculator warming up decodes one step
+    plainly and drafts the rest, and tells its policy nothing); it must finish and free its blocks.
+    Nothing is profiled: the adaptive policy measures both arms online, each batch bucket starting
+    plain."""
     free_before = engine.allocator.num_free
     rid = engine.add_request([engine.model_cfg.bos_token_id or 1] * 4,
-                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "warmup")
+                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "warmup")
     done = False
     for _ in range(64):
         for out in engine.step():

@@ -35,7 +35,8 @@ GUARD_MARGIN = 0.95  # realized speculative goodput under this share of plain's:
 BASE_BACKOFF, MAX_BACKOFF = 32, 256  # bucket steps before a losing arm is tried again (doubling)
 EXPLORE_BUDGET = 0.04  # ... and at least so many that probing costs at most this share of the time
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
-MAX_SPACING = 1024  # but never more steps than this between probes
+STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
+MAX_SPACING = 1024  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
 
 
@@ -97,6 +98,7 @@ class Bucket:
         self.probe: int | None = None  # the arm being probed, if any
         self.probe_left = 0
         self.probe_spent = 0.0  # what the last probe cost beyond plain decoding, in plain steps
+        self.probes = 0  # probes started here
         self.probe_at = 0  # bucket step from which a losing speculation is probed again
         self.backoff = BASE_BACKOFF
         self.on_since = 0
@@ -130,6 +132,7 @@ class Bucket:
 
     def start_probe(self, depth: int) -> None:
         self.probe, self.probe_left, self.probe_spent = depth, PROBE_STEPS, 0.0
+        self.probes += 1
         self.arm(depth).fresh = []
 
     def end_probe(self) -> None:
@@ -147,9 +150,12 @@ class Bucket:
     def lost(self) -> None:
         """Speculation lost here (a probe, the guard, the prediction): try again after the back-off,
         doubled, or later where a probe costs more than EXPLORE_BUDGET of the steps between (a
-        drafting step at several times a plain step's cost is probed that much more rarely)."""
+        drafting step at several times a plain step's cost is probed that much more rarely; after a
+        bucket's first probe, whose steps may have run cold, at most STRETCH back-offs later)."""
         spent = max(self.probe_spent, PROBE_COST * (self.cost_ratio() - 1.0))  # in plain steps
-        self.probe_at = self.steps + max(self.backoff, min(math.ceil(spent / EXPLORE_BUDGET), MAX_SPACING))
+        cap = STRETCH * self.backoff if self.probes < 2 else MAX_SPACING  # a first probe may have run cold
+        stretch = min(math.ceil(spent / EXPLORE_BUDGET), cap)
+        self.probe_at = self.steps + max(self.backoff, stretch)
         self.backoff = min(2 * self.backoff, MAX_BACKOFF)
 
     def cost_ratio(self) -> float:

@@ -45,8 +45,9 @@ class Speculator:
         self.catch_up_window = catch_up_window  # most target features kept per request for the head
         self.needs_aux = proposer.needs_aux
         self.aux_layers = proposer.aux_layers
-        # warming up: decode steps alternate plain and drafting the whole tree, so the warm-up request
-        # runs both paths; the policy is neither asked nor told (its measurements start clean)
+        # warming up: a plain decode step, then drafting the whole tree, so the warm-up request runs
+        # both paths (drafting's a few times: its first steps are slow); the policy is neither asked
+        # nor told (its measurements start clean)
         self.warming = warming
         self._warm_steps = 0
 
@@ -110,9 +111,9 @@ class Speculator:
         return True
 
     def _warm_plan(self, reqs: list[Request]) -> StepPlan:
-        """A warm-up step: plain, then the whole tree (each request's own cap holds), in turn."""
+        """A warm-up step: plain first, then the whole tree (each request's own cap holds)."""
         self._warm_steps += 1
-        if self._warm_steps % 2:
+        if self._warm_steps == 1:
             return StepPlan(None, tuple(0 for _ in reqs))
         return StaticPolicy(self.policy.max_shape, None).plan(reqs)
 
