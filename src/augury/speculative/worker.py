@@ -92,8 +92,9 @@ class Speculator:
         sub = [reqs[i] for i in drafting]
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
         # itself; its time would make speculation look dear, so the policy only learns its acceptance.
-        # Timed: the rows caught up on no more than drafting leaves, on average (one plain step
-        # between drafting ones, the policy's exploration of plain decoding, or a new request among many)
+        # Timed: the rows caught up on no more than drafting leaves, on average (what the last step
+        # accepted, a prompt-lookup branch's tokens included, and one plain step between drafting ones,
+        # the policy's exploration of plain decoding; or a new request among many)
         backlog = sum(r.num_computed - r.draft_len for r in sub) if self.needs_aux else 0
         t0 = clock(host.device)
         drafted = self.proposer.propose(host, sub, shape)
@@ -105,7 +106,8 @@ class Speculator:
         # the row sizes tell the policy what share of the whole shape's cost this step drafted
         if not self.warming:
             self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
-                                timed=backlog <= (shape.num_steps + 2) * len(sub), offered=offered,
+                                timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub),
+                                offered=offered,
                                 reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
         host.stats.steps_spec += 1
         return True
