@@ -122,6 +122,32 @@ def test_the_guard_turns_a_losing_bucket_off_and_retries_with_growing_back_off()
     assert len(waits) == 3 and waits[0] >= BASE_BACKOFF and waits[0] < waits[1] < waits[2]
 
 
+def test_a_new_bucket_above_a_losing_one_waits_for_that_ones_back_off():
+    """A batch draining through bucket after bucket must not probe drafting in each: above a bucket
+    where drafting was probed and lost, a new bucket decodes plainly until that bucket's back-off has
+    passed, then probes; below it (smaller batches, where drafting is relatively cheaper) and above a
+    bucket where drafting wins, a new bucket probes at once."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    teach_times(policy, 4, 0.040, {3: 0.200})  # drafting dear at batch 4: it loses
+    bk4 = policy.buckets[bucket_of(4)]
+    bk4.probes = 1
+    for _ in range(3):
+        assert policy.choose(4) is None
+    assert bk4.decided and not bk4.on and bk4.probe_at > bk4.steps
+    wait = bk4.probe_at - bk4.steps
+    shapes = []
+    for _ in range(wait + 12):
+        shape = policy.choose(8)
+        shapes.append(shape)
+        policy.observe(8, shape, 0.050 if shape is None else 0.300, [0] * 8 if shape else [])
+    first = next(i for i, s in enumerate(shapes) if s is not None)
+    assert first >= wait - 1  # plain until bucket 4's back-off has passed, then a probe
+    fresh = AdaptivePolicy(TREE, None)
+    teach_times(fresh, 2, 0.040, {})
+    assert fresh.choose(2) == TREE  # nothing below: a new bucket probes at once
+
+
 def test_a_tree_is_drafted_whole_or_not_at_all():
     policy = AdaptivePolicy(TREE, None)
     assert policy.depths() == [TREE.num_steps]

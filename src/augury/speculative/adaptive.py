@@ -25,7 +25,8 @@ decodes plainly (timed by the engine), and a chain re-measures its stalest depth
 DEPTH_EXPLORE_EVERY steps; while not, drafting is probed (arms.Bucket: MIN_SEEN fresh timed steps
 replace its window; only rows that could pay draft; the probe stops once it clearly loses) after a
 back-off that doubles each time it loses and is stretched by what the last probe cost. A bucket
-starts plain (nothing is assumed about this machine), measures that, then probes drafting. The
+starts plain (nothing is assumed about this machine), measures that, then probes drafting (at once,
+or, above a bucket where drafting lost, after that bucket's back-off: `_bucket`). The
 guard (arms.Bucket.guard) compares realized goodput, speculative steps as they ran against plain
 steps, and turns a losing bucket off until its next probe whatever the prediction says.
 
@@ -142,9 +143,7 @@ class AdaptivePolicy(Acceptance):
         "probe" or "explore" (a step run to measure an arm) or "rule" (the rule's own choice)."""
         self.steps += 1
         key = bucket_of(b)
-        bk = self.buckets.get(key)
-        if bk is None:
-            bk = self.buckets[key] = Bucket()
+        bk = self._bucket(key)
         bk.steps += 1
         probed = False
         depths = self.depths()
@@ -196,6 +195,21 @@ class AdaptivePolicy(Acceptance):
             whole = self._whole(stale, caps, expected)
             return self._count(stale, {row: whole[row] for row in pick if row in whole}, "probe")
         return self._count(d, pick, "rule")
+
+    def _bucket(self, key: int) -> Bucket:
+        """The bucket for batch bucket `key`, made on first use. A new bucket above one where drafting
+        was measured and lost (drafting's extra grows with the batch faster than plain decoding's)
+        starts as that one stands: plain, its first probe after that bucket's back-off, not at once (a
+        batch draining through bucket after bucket would otherwise probe in each of them)."""
+        bk = self.buckets.get(key)
+        if bk is None:
+            bk = self.buckets[key] = Bucket()
+            below = [k for k, b in self.buckets.items() if k < key and b.decided and not b.on and b.probes]
+            if below:
+                near = self.buckets[max(below)]
+                bk.backoff = near.backoff
+                bk.probe_at = max(near.probe_at - near.steps, near.backoff)
+        return bk
 
     def _probe_rows(self, caps, regular: list[Expected]) -> list[int]:
         """The rows whose drafting could pay were it as cheap as it gets (LEAST_DRAFT_COST x a plain
@@ -361,9 +375,7 @@ class AdaptivePolicy(Acceptance):
         depth = shape.num_steps if shape else 0
         if shape is not None:
             self._learn(shape, accepted, offered, reqs)
-        bk = self.buckets.get(bucket_of(batch_size))
-        if bk is None:
-            bk = self.buckets[bucket_of(batch_size)] = Bucket()
+        bk = self._bucket(bucket_of(batch_size))
         t0 = bk.arm(0).seconds()
         if shape is not None and bk.probe == depth and t0:
             # what probing costs beyond plain decoding, its catch-up included: the next one waits accordingly
