@@ -168,10 +168,21 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
                 const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xq + r * K + g * GROUP + 8 * b;
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
                     ia[r] = dpbusd256(ia[r], lo, _mm256_set1_epi32(load_i32(xr)));
                     ia[r] = dpbusd256(ia[r], hi, _mm256_set1_epi32(load_i32(xr + 4)));
+#else
+                    // AVX2: the group's maddubs pair sums added in int16 (8 x |2 * 15 * 127| < 2^15),
+                    // widened to int32 once per group below: the same integers, fewer instructions
+                    ia[r] = _mm256_add_epi16(ia[r], _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4)))));
+#endif
                 }
             }
+#if !(defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+            for (int r = 0; r < R; r++) ia[r] = _mm256_madd_epi16(ia[r], _mm256_set1_epi16(1));
+#endif
             const __m256 sv = load_bf16x8(ps + g * PANEL + 8 * h), zv = load_bf16x8(pz + g * PANEL + 8 * h);
             for (int r = 0; r < R; r++) {
                 const __m256 dot =
