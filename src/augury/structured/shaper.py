@@ -107,7 +107,9 @@ class RequestShaper:
         self._pushed += 1
         self._add(token)
         if self.matcher is not None and not self._off_grammar:
-            if self.matcher.accept_token(token):
+            # past the grammar's end (a draft after its stop token) nothing more is allowed; asking the
+            # terminated matcher would only make xgrammar log a warning per token
+            if not self.matcher.is_terminated() and self.matcher.accept_token(token):
                 self._matched += 1
             else:
                 self._off_grammar = True
