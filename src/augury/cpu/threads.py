@@ -2,8 +2,9 @@
 
 torch's thread count (one per core by default) is right on an idle machine. On a shared one it can
 be very wrong: with a busy process pinned to one of two cores, every barrier of a step's layers
-waits for the thread that shares its core (measured: plain decoding of the demo at 12.5 tok/s with
-2 threads, 51 with 1). No start-up test settles it, since the machine's load changes while augury
+waits for the thread that shares its core (measured on a 2-core VM with a busy process pinned to one
+core and another program's tests running: plain decoding of the demo at 12.5 tok/s with 2 threads
+for every kernel, about 51 with 1). No start-up test settles it, since the machine's load changes while augury
 runs. So the fused stack's calls are timed, per row-count bucket, under each candidate count (the
 process's torch thread count n, n / 2 and 1): the count with the lowest median time of its recent
 calls runs; the others are tried again now and then, every `interval` calls, the interval doubling
