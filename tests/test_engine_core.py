@@ -91,6 +91,30 @@ def test_chunked_prefill_matches(tiny_checkpoint, hf_model, make_llm) -> None:
         assert out.token_ids == hf_greedy(hf_model(folder), prompt, 24)
 
 
+def test_prefill_batch_padding_past_the_context(tiny_checkpoint, hf_model, make_llm) -> None:
+    """A prompt's last chunk (9 tokens at position 150) shares a prefill step with a whole 75-token prompt:
+    the short row's padding would run to position 224, past the 223 the engine computes for
+    max_model_len 160; padding is never computed there and every answer stays right."""
+    folder = tiny_checkpoint("llama")
+    llm = make_llm(folder, max_model_len=160, max_num_batched_tokens=150)
+    sched = llm.engine.scheduler
+    rows: list[list[tuple[int, int]]] = []
+    original = sched.schedule
+
+    def spy():
+        batch = original()
+        if batch is not None and batch.prefill:
+            rows.append([(r.num_computed, e - r.num_computed) for r, e in zip(batch.requests, batch.ends)])
+        return batch
+
+    sched.schedule = spy
+    prompts = random_prompts([159, 75], seed=31)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert any(max(n for _, n in b) + max(c for c, _ in b) - 1 > llm.engine.max_position for b in rows), rows
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model(folder), prompt, len(out.token_ids))
+
+
 def test_abort_returns_blocks(tiny_checkpoint, make_llm) -> None:
     engine = make_llm(tiny_checkpoint("llama")).engine
     rids = [engine.add_request(p, GREEDY) for p in random_prompts([30, 8], seed=13)]

@@ -254,7 +254,10 @@ class Engine:
         ctx = [r.num_computed for r in reqs]
         attn = self.attention.prepare_prefill([r.block_table for r in reqs], ctx, [len(r) for r in rows])
         q = max(len(r) for r in rows)
-        positions = torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]
+        # a shorter row's padding repeats its last position: padding past a request's end may lie past
+        # the largest position the model computes (its outputs are never read)
+        last = torch.tensor([len(r) - 1 for r in rows])[:, None]
+        positions = torch.tensor(ctx)[:, None] + torch.minimum(torch.arange(q)[None, :], last)
         hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux(reqs))
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
         for i, (r, row, c) in enumerate(zip(reqs, rows, ctx)):
