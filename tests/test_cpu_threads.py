@@ -3,6 +3,7 @@ stack's numbers independent of the thread count (the choice may change speed onl
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -80,6 +81,54 @@ def test_row_buckets_are_timed_apart() -> None:
     assert c.best(1) == 1 and c.best(16) == 2
 
 
+
+def test_untimed_calls_run_the_settled_count_never_an_exploring_one() -> None:
+    """Between timed calls augury's other kernel calls run the count chosen for the last call's bucket,
+    even right after a call that explored the other count; the untimed layers (prefill) take the
+    nearest measured bucket's choice, torch's count before anything was measured."""
+    c = ThreadChoice(max_threads=lambda: 2)
+    assert c.settled(2048) == 2 and c.current() == 2
+    clock = [0.0]
+    after = []
+    for i in range(600):
+        rows = 1 if i % 2 else 16
+        cost = {(1, 1): 1.0, (1, 2): 1.5, (16, 1): 8.0, (16, 2): 4.5}
+
+        def run(n: int, rows=rows) -> int:
+            clock[0] += cost[(rows, n)]
+            return 0
+
+        c.timed(rows, run, clock=lambda: clock[0])
+        after.append((rows, c.current()))
+    assert c.best(1) == 1 and c.best(16) == 2
+    assert all(cur == (1 if rows == 1 else 2) for rows, cur in after[100:])
+    assert c.settled(2048) == 2 and c.settled(2) == 1 and c.settled(1) == 1
+
+
+def test_scoped_sets_the_count_of_kernel_calls_on_this_thread_only(monkeypatch) -> None:
+    monkeypatch.setattr(threads, "_choice", ThreadChoice(max_threads=lambda: 2))
+    seen = []
+    with threads.scoped(1):
+        seen.append(threads.current())
+        t = threading.Thread(target=lambda: seen.append(threads.current()))
+        t.start()
+        t.join()
+        with threads.scoped(2):
+            seen.append(threads.current())
+        seen.append(threads.current())
+    seen.append(threads.current())
+    assert seen == [1, 2, 2, 1, 2]
+
+
+def test_a_timed_call_runs_its_pick_under_scope(monkeypatch) -> None:
+    c = ThreadChoice(max_threads=lambda: 2)
+    monkeypatch.setattr(threads, "_choice", c)
+    got = []
+    for _ in range(8):
+        c.timed(4, lambda n: got.append((n, threads.current())) or 0)
+    assert {n for n, _ in got} == {1, 2} and all(n == cur for n, cur in got)
+
+
 def test_a_single_thread_process_is_never_asked_for_more() -> None:
     c = ThreadChoice(max_threads=lambda: 1)
     assert set(_drive(c, lambda n, i: 1.0, 100)) == {1}
@@ -94,7 +143,6 @@ class _Fixed(ThreadChoice):
 
     def pick(self, rows: int) -> int:
         self.seen.append(self.n)
-        self._last = self.n
         return self.n
 
 

@@ -16,8 +16,13 @@ lower by more than `margin` (hysteresis against noise). The kernels give the sam
 thread count (threads split rows or columns, never one value's sum), so the choice changes speed
 only. torch's own thread setting, the process's, is never changed.
 
-`choice()` is the process's instance; `current()` is the count its last pick gave: every other call of
-augury's kernels (the output layer right after the stack, prefill's linears) runs with it.
+`choice()` is the process's instance. A timed call runs its picked count (an exploring one included);
+every other call of augury's kernels runs `current()`: inside a `scoped(n)` block n, else the count
+chosen (not explored) for the bucket of the last timed call, so the output layer after a stack runs
+what the stack settled on. The layers run one by one (prefill, attention the stack does not take)
+are never timed themselves (a long prompt's forward is too rare and too dear to explore on): they
+run `settled(rows)`, the choice of the nearest bucket measured (the machine's load shows in every
+bucket alike), under `scoped`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -62,7 +68,7 @@ class ThreadChoice:
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
-        self._last = 0
+        self._last_key = 0  # the bucket of the last timed call
         self._lock = threading.Lock()
 
     def _bucket(self, rows: int) -> _Bucket:
@@ -91,7 +97,7 @@ class ThreadChoice:
                 b.interval = min(2 * b.interval, self.explore_max)
             else:
                 arm = b.best
-            self._last = arm
+            self._last_key = bucket(rows)
             return arm
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
@@ -118,15 +124,33 @@ class ThreadChoice:
             return self._bucket(rows).best
 
     def current(self) -> int:
-        """The count the last pick gave (torch's thread count before any pick; never above it)."""
+        """The count chosen for the bucket of the last timed call, not an exploring pick (torch's thread
+        count before any call; never above it)."""
         n = max(self.max_threads(), 1)
-        return min(self._last, n) if self._last else n
+        with self._lock:
+            b = self._buckets.get(self._last_key) if self._last_key else None
+            return min(b.best, n) if b is not None else n
+
+    def settled(self, rows: int) -> int:
+        """For a call over `rows` rows that is not timed: the count chosen for the nearest bucket whose
+        every count has been measured (the one below it on a tie), torch's count where none has."""
+        n = max(self.max_threads(), 1)
+        with self._lock:
+            self._bucket(rows)  # the candidates as torch's count stands now
+            done = [k for k, b in self._buckets.items()
+                    if all(len(t) >= self.min_samples for t in b.times.values())]
+            if not done:
+                return n
+            key = bucket(rows)
+            near = min(done, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
+            return min(self._buckets[near].best, n)
 
     def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
         """run(threads) under the picked count, timed and recorded; returns run's result."""
         threads = self.pick(rows)
         t0 = clock()
-        rc = run(threads)
+        with scoped(threads):
+            rc = run(threads)
         self.record(rows, threads, clock() - t0)
         return rc
 
@@ -139,5 +163,25 @@ def choice() -> ThreadChoice:
     return _choice
 
 
+_scope = threading.local()
+
+
+@contextmanager
+def scoped(threads: int):
+    """Inside the block, on this thread, augury's kernels run `threads` threads (`current()`)."""
+    before = getattr(_scope, "threads", None)
+    _scope.threads = threads
+    try:
+        yield
+    finally:
+        _scope.threads = before
+
+
 def current() -> int:
-    return _choice.current()
+    """The thread count an augury kernel call runs with now (see the module's docstring)."""
+    n = getattr(_scope, "threads", None)
+    return n if n else _choice.current()
+
+
+def settled(rows: int) -> int:
+    return _choice.settled(rows)

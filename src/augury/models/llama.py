@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from augury.cpu import threads as cpu_threads
 from augury.models.config import TargetConfig
 from augury.models import fused
 from augury.models.fused import FusedStack, Watched
@@ -263,10 +264,14 @@ class TargetModel(Watched, nn.Module):
             if self._fused and (done := self._fused.run(h, cos, sin, attn, aux_layers)) is not None:
                 return done
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn, i)
-            if i in aux_layers:
-                captured[i] = h.to(dtype)
+        # augury's kernels in these layers run the thread count the fused stack's timed calls settled
+        # on (cpu/threads.py), not whatever count its last call explored
+        threads = cpu_threads.settled(input_ids.numel()) if h.device.type == "cpu" and self.tp is None else 0
+        with cpu_threads.scoped(threads):
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, attn, i)
+                if i in aux_layers:
+                    captured[i] = h.to(dtype)
         # in the order asked for (a layer may be named twice on very shallow targets)
         aux_out = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.norm(h), aux_out
