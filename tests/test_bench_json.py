@@ -34,13 +34,16 @@ def test_json_prompts_are_answered_under_their_schemas(tiny) -> None:
         text = tok.decode(ids, skip_special_tokens=True)
         jsonschema.validate(json.loads(text), json.loads(schema))
     assert system.steps > 0  # the grammar's forced tokens were verified
+    # masks were filled for every answer: a share of the wall time, and none without the schemas
+    assert 0.0 < system.mask_share < 1.0 and system.mask_seconds < system.seconds
     assert free.generate(prompts[:1], 8, stop_at_eos=False) != outs[:1]
+    assert free.mask_share == 0.0
     system.close()
     free.close()
 
 
 def test_bench_json_needs_stop_at_eos_and_runs(tiny, tmp_path) -> None:
-    from augury.bench.offline import BenchSettings, bench
+    from augury.bench.offline import BenchSettings, bench, format_table
 
     kw = dict(model=str(tiny), batch_sizes=(1,), output_len=300, repeats=1, warmup=0, prompts="json", num_prompts=1,
               systems=("augury-off", "augury-off-unconstrained"), out=str(tmp_path / "out"))
@@ -49,3 +52,6 @@ def test_bench_json_needs_stop_at_eos_and_runs(tiny, tmp_path) -> None:
     rows, out = bench(BenchSettings(**kw, stop_at_eos=True), progress=False)
     assert {r.system for r in rows} == {"augury-off", "augury-off-unconstrained"}
     assert all(r.output_tokens > 0 for r in rows)
+    share = {r.system: r.mask_share for r in rows}
+    assert share["augury-off-unconstrained"] == 0.0 and 0.0 < share["augury-off"] < 1.0
+    assert "grammar masks, share of the timed wall time: b1 augury-off " in format_table(rows)

@@ -80,7 +80,8 @@ def test_a_loaded_peer_runs_in_its_worker(tiny_checkpoint, monkeypatch) -> None:
         assert info["threads"] == 1 and info["kernels_isa"] is None and info["omp_wait_policy"] is None
         out = worker.generate([[5, 6, 7]], 3)
         assert len(out) == 1 and len(out[0]) == 3
-        assert worker.stats() == {"accept_length": 0.0, "spec_fraction": 0.0, "accept_by_kind": None}
+        assert worker.stats() == {"accept_length": 0.0, "spec_fraction": 0.0, "accept_by_kind": None,
+                                  "mask_share": 0.0}
     finally:
         worker.close()
     assert worker.proc is None

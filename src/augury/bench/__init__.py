@@ -13,6 +13,7 @@ Heavy imports (torch, transformers) happen inside functions, so importing this i
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ class AugurySystem:
     def reset_counts(self) -> None:
         """Start counting verification steps, accepted drafts and decoded tokens afresh."""
         self.steps = self.accepted = self.decoded = 0
+        self.mask_seconds = self.seconds = 0.0  # grammar masks' time and the generate calls' wall time
         self.per_prompt: dict[tuple[int, ...], list[int]] = {}  # prompt -> [verify steps, accepted drafts]
 
     def accept_length_of(self, prompts: list[list[int]]) -> float:
@@ -91,6 +93,16 @@ class AugurySystem:
         """Share of the decoded tokens (all but each request's first) that came from verification steps."""
         return (self.steps + self.accepted) / max(1, self.decoded)
 
+    @property
+    def mask_share(self) -> float:
+        """Share of the generate calls' wall time since reset_counts spent on grammar masks (filling xgrammar's
+        bitmask and applying it to the logits, structured/shaper.py), 0 when nothing was constrained."""
+        return self.mask_seconds / self.seconds if self.seconds else 0.0
+
+    def _mask_seconds(self) -> float:
+        stats = self.llm.engine.shaping_stats()
+        return stats.mask_seconds if stats is not None else 0.0
+
     def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
         import json
 
@@ -107,7 +119,10 @@ class AugurySystem:
         # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
         # so the repeats would compare different work; `--workload document` measures the cache)
         self.llm.engine.reset_prefix_cache()
+        mask0, t0 = self._mask_seconds(), time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.seconds += time.perf_counter() - t0
+        self.mask_seconds += self._mask_seconds() - mask0
         self.steps += sum(o.spec_stats.num_verify_steps for o in outs)
         self.accepted += sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
         self.decoded += sum(len(o.token_ids) - 1 for o in outs)

@@ -84,6 +84,8 @@ class Row:
     accept_length: float = 0.0  # speculative systems: tokens per verification step
     accept_by_kind: dict[str, float] = field(default_factory=dict)  # --prompts varied: the same per kind
     spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
+    # augury under a grammar (--prompts json): share of its timed wall time spent filling and applying masks
+    mask_share: float = 0.0
     # the process the system ran in (its worker): id, CPU threads (torch's; llama.cpp's n_threads),
     # the CPU's ISA level (cpu.isa.host_level), augury's kernels' level (augury systems) and
     # OMP_WAIT_POLICY as that process saw it (None: unset)
@@ -211,7 +213,7 @@ def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
     ref = systems[0].name
     rows = [Row(s.name, b, seconds[s.name], cpu[s.name], sum(len(o) for o in outputs[s.name]),
                 accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0),
-                **system_info(s))
+                mask_share=getattr(s, "mask_share", 0.0), **system_info(s))
             for s in systems]
     base = rows[0]
     for row in rows:
@@ -242,6 +244,10 @@ def format_table(rows: list[Row]) -> str:
         lines += ["", head, "-" * len(head)]
         for k in kinds:
             lines.append(f"{k:<{width}}  " + " ".join(f"{r.accept_by_kind.get(k, 0.0):>24.2f}" for r in spec))
+    masked = [r for r in rows if r.mask_share]
+    if masked:  # --prompts json: what the grammar masks cost
+        lines += ["", "grammar masks, share of the timed wall time: " +
+                  ", ".join(f"b{r.batch_size} {r.system} {r.mask_share:.1%}" for r in masked)]
     procs = {r.system: r for r in rows}
     if procs:  # the process each system ran in
         width = max(20, *(len(n) for n in procs))

@@ -219,6 +219,10 @@ class WorkerSystem:
     def spec_fraction(self) -> float:
         return self.stats()["spec_fraction"]
 
+    @property
+    def mask_share(self) -> float:
+        return self.stats()["mask_share"]
+
     def accept_by_kind(self, kinds: dict[str, list[list[int]]]) -> dict[str, float] | None:
         return self.stats(kinds)["accept_by_kind"]
 
@@ -360,5 +364,6 @@ def _handle(state: dict[str, Any], command: str, args: list[Any]) -> Any:
         if kinds is not None and hasattr(system, "accept_length_of"):
             by_kind = {k: system.accept_length_of(prompts) for k, prompts in kinds.items()}
         return {"accept_length": getattr(system, "accept_length", 0.0),
-                "spec_fraction": getattr(system, "spec_fraction", 0.0), "accept_by_kind": by_kind}
+                "spec_fraction": getattr(system, "spec_fraction", 0.0), "accept_by_kind": by_kind,
+                "mask_share": getattr(system, "mask_share", 0.0)}
     raise ValueError(f"unknown worker command {command!r}")
