@@ -227,3 +227,17 @@ def test_noise_alone_does_not_flap(batch):
     sim = Sim(TREE, batch, [0.7], seed=7)
     sim.run(3000, CHEAP)
     assert sim.drafted_share(CONVERGE) >= 0.95
+
+
+@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+def test_a_stream_of_new_requests_is_tried_within_a_budget(shape):
+    """Drafting loses (verification dear, acceptance 0.3) and a new request arrives every 12 steps,
+    each due for a try on an optimistic guess: the tries spend a bounded credit (arms.TRY_BUDGET) beside
+    the probes' budget, so after convergence at most 8% of the steps draft (trying every new request
+    drafted 23% of them), and the goodput stays within 5% of plain decoding's."""
+    plain_g, static_g = baselines(shape, 1, [0.3], DEAR, 3000, seed=7)
+    assert plain_g > CLEAR * static_g
+    sim = Sim(shape, 1, [0.3], seed=7, life=12)
+    sim.run(3000, DEAR)
+    assert sim.drafted_share(CONVERGE) <= 0.08, sim.drafted_share(CONVERGE)
+    assert sim.goodput(CONVERGE) >= 0.95 * plain_g

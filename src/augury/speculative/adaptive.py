@@ -35,7 +35,9 @@ request's own, shrunk towards the batch's by empirical Bayes. A request left out
 with an optimistic guess (OPTIMISTIC_RATE per level) after its own back-off (REQ_BACKOFF, doubling
 while it keeps failing, reset once it drafts on its own merit); a new request starts with such a
 try, so a request that copies its prompt drafts even after others taught the batch's rates that
-drafting fails.
+drafting fails. While its bucket decodes plainly such tries spend the bucket's credit for them
+(arms.py: TRY_BUDGET of the time), so a stream of new requests where drafting loses costs a bounded
+share; without credit no guess counts and the requests stay due.
 """
 from __future__ import annotations
 
@@ -101,6 +103,11 @@ class AdaptivePolicy(Acceptance):
         owns = [self._own(r) if c != 0 else None for r, c in zip(reqs, caps)]
         self._learn_spread(owns)  # over every request that may draft, those left out included
         due = [o is not None and o.due() for o in owns]
+        bk = self._bucket(bucket_of(b))
+        if not bk.on and bk.credit <= 0.0 and any(due):
+            # a plain bucket's tries wait for credit (arms.py): no optimistic guess counts meanwhile (it
+            # would make the rule draft the others), and the requests stay due
+            due = [False] * b
         regular = [self._request(r) for r in reqs]
         expected = [self._optimistic(r) if d else e for r, d, e in zip(reqs, due, regular)]
         depth, pick, kind = self._decide(b, caps, expected, due, regular)
@@ -145,6 +152,7 @@ class AdaptivePolicy(Acceptance):
         key = bucket_of(b)
         bk = self._bucket(key)
         bk.steps += 1
+        bk.accrue()
         probed = False
         depths = self.depths()
         times = bk.times(depths, self.max_shape.num_steps)
@@ -171,7 +179,10 @@ class AdaptivePolicy(Acceptance):
         plain = b / max(times[0], 1e-12)
         on = d > 0 and g > plain * (STAY_MARGIN if bk.on else ON_MARGIN)
         if on and not bk.on and all(due[row] for row in pick):
-            # only requests tried again on an optimistic guess draft: this step, not a change of mode
+            # only requests tried again on an optimistic guess draft: this step, not a change of mode;
+            # it spends the bucket's credit for tries (arms.py; plan offers no guess while there is none)
+            share = self.drafting_share(b, d, [n for n, _ in pick.values()])
+            bk.credit -= (max(times[d] / max(times[0], 1e-12), LEAST_DRAFT_COST) - 1.0) * share
             return self._count(d, pick, "rule")
         if not on and bk.on:
             bk.switch(False)

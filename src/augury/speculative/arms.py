@@ -18,6 +18,13 @@ doubles each time it loses again (BASE_BACKOFF .. MAX_BACKOFF bucket steps) and 
 base once speculation has held for RESET_AFTER steps; where drafting steps are dear, probes are
 spaced so that they cost at most EXPLORE_BUDGET of the time (what the last probe cost beyond plain
 decoding, its catch-up included, over the steps until the next).
+
+Tries: while a bucket decodes plainly, a request tried again on an optimistic guess (a new one, or
+one whose own back-off ran out; adaptive.py) makes a plain step a drafting one. Each costs what
+drafting costs here beyond a plain step, in the share its rows take, so tries spend a credit that
+grows by TRY_BUDGET plain steps per bucket step (at most TRY_CAP): a steady stream of new requests
+where drafting loses costs at most that share of the time, however many arrive; a try that finds
+no credit waits (the request stays due).
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ GUARD_MIN = 16  # ... at least this many before it judges (and again every GUARD
 GUARD_MARGIN = 0.95  # realized speculative goodput under this share of plain's: speculation off
 BASE_BACKOFF, MAX_BACKOFF = 32, 256  # bucket steps before a losing arm is tried again (doubling)
 EXPLORE_BUDGET = 0.04  # ... and at least so many that probing costs at most this share of the time
+TRY_BUDGET = 0.02  # plain steps of credit each bucket step adds for optimistic tries while plain ...
+TRY_CAP = 3.0  # ... up to this many (a fresh bucket starts full)
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
 STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
 MAX_SPACING = 1024  # and never more steps than this between probes
@@ -103,6 +112,7 @@ class Bucket:
         self.backoff = BASE_BACKOFF
         self.on_since = 0
         self.decided = False  # a first decision was logged
+        self.credit = TRY_CAP  # plain steps' worth of time optimistic tries may still spend (see the module doc)
 
     def arm(self, depth: int) -> Arm:
         a = self.arms.get(depth)
@@ -157,6 +167,10 @@ class Bucket:
         stretch = min(math.ceil(spent / EXPLORE_BUDGET), cap)
         self.probe_at = self.steps + max(self.backoff, stretch)
         self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+
+    def accrue(self) -> None:
+        """A bucket step: the tries' credit grows by TRY_BUDGET, up to TRY_CAP."""
+        self.credit = min(self.credit + TRY_BUDGET, TRY_CAP)
 
     def cost_ratio(self) -> float:
         """The cheapest measured drafting step over a plain step (1 when either is unknown)."""
