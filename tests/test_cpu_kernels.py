@@ -404,6 +404,33 @@ def test_rmsnorm_and_rope_kernels_match_torch_and_are_row_invariant() -> None:
     assert torch.equal(torch.cat([k.rope(q[i:i + 1], cos[i:i + 1], sin[i:i + 1]) for i in range(3)]), got)
 
 
+
+@pytest.mark.parametrize("n", [1536, 13])  # whole groups of 8 lanes, and a last partial one
+def test_silu_mul_kernel_matches_torch_and_is_row_invariant(n) -> None:
+    """silu(gate) * up against torch's in float64: float32 within a few units in the last place, bfloat16
+    within one bfloat16 step of the exact value; large, tiny and signed zeros; NaN passes; a row's bits
+    do not depend on its batch (more rows than the serial threshold: threads)."""
+    k = cpu_kernels.elementwise()
+    assert k is not None, "the elementwise kernels did not build or load on a machine that can build them"
+    g = torch.Generator().manual_seed(1)
+    gu = torch.randn(70, 2 * n, generator=g) * 4
+    gu[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e4, -1e4, 88.0, -88.0])[: min(8, n)]
+    exact = torch.nn.functional.silu(gu[:, :n].double()) * gu[:, n:].double()
+    got = k.silu_mul(gu)
+    assert got.dtype == torch.float32 and got.shape == (70, n)
+    err = (got.double() - exact).abs()
+    assert (err <= 4 * torch.finfo(torch.float32).eps * exact.abs() + 1e-30).all(), err.max()
+    b = gu.to(torch.bfloat16)
+    exact_b = torch.nn.functional.silu(b[:, :n].double()) * b[:, n:].double()
+    got_b = k.silu_mul(b)
+    assert got_b.dtype == torch.bfloat16
+    assert ((got_b.double() - exact_b).abs() <= 2 ** -8 * exact_b.abs() + 1e-30).all()
+    assert torch.equal(torch.cat([k.silu_mul(b[i:i + 1]) for i in range(70)]), got_b)
+    nan = gu.clone()
+    nan[3, 0] = float("nan")
+    assert torch.isnan(k.silu_mul(nan)[3, 0]) and torch.equal(k.silu_mul(nan)[4:], got[4:])
+
+
 def test_training_keeps_gradients_through_norm_and_rotary() -> None:
     """The per-row kernels do not differentiate, so a module that trains (the draft head) runs
     torch's operators: its gradients reach the norm weight and the rotated input."""

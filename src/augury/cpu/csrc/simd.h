@@ -49,6 +49,30 @@ inline __m256 bf16_round8(__m256 x) {
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
+// e^x for 8 lanes, x <= 0 (attention: scores minus their maximum; silu: minus |x|): x = n ln2 + r, |r| <= ln2 / 2, e^r by
+// its Taylor polynomial to r^6 (relative error under 2e-7), times 2^n; below -87.3 (where float32
+// runs out) 0; NaN stays NaN. The same operations on every ISA level, so the same bits.
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(lo, x);  // NaN passes through (max returns its second operand)
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts: exact n * hi
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    // 2^n for n in -126..0 (x >= -87.34 keeps n >= -126); NaN lanes keep p's NaN
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
 // 8 lanes already rounded to bfloat16 (bf16_round8) stored as 8 bfloat16 values at p
 inline void store_bf16x8(uint16_t *p, __m256 rounded) {
     const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
