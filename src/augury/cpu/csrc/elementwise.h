@@ -21,6 +21,14 @@ inline void st(void *p, bool bf16, int64_t i, float f) {
         static_cast<float *>(p)[i] = f;
 }
 
+// 8 values to p + i: rounded to bfloat16 (the scalar rounding's bits) or float32
+inline void store8(void *p, bool bf16, int64_t i, __m256 v) {
+    if (bf16)
+        store_bf16x8(static_cast<uint16_t *>(p) + i, bf16_round8(v));
+    else
+        _mm256_storeu_ps(static_cast<float *>(p) + i, v);
+}
+
 // out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j] for one float32 row of dim values
 inline void rmsnorm_row(const float *xr, int64_t dim, const void *w, bool w_bf16, float eps, void *out,
                         bool out_bf16) {
@@ -33,7 +41,12 @@ inline void rmsnorm_row(const float *xr, int64_t dim, const void *w, bool w_bf16
     float ss = hsum(acc);
     for (; i < dim; i++) ss += xr[i] * xr[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; j++) st(out, out_bf16, j, xr[j] * inv * ld(w, w_bf16, j));
+    // x * inv * w, 8 values at a time (the scalar tail does the same two products: the same bits)
+    const __m256 invv = _mm256_set1_ps(inv);
+    int64_t j = 0;
+    for (; j + 8 <= dim; j += 8) store8(out, out_bf16, j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), invv),
+                                                                    load8(w, w_bf16, j)));
+    for (; j < dim; j++) st(out, out_bf16, j, xr[j] * inv * ld(w, w_bf16, j));
 }
 
 // Llama's rotate-half rotation of `heads` heads of one row: out = x cos + rotate_half(x) sin, with
@@ -41,6 +54,19 @@ inline void rmsnorm_row(const float *xr, int64_t dim, const void *w, bool w_bf16
 inline void rope_row(const void *x, int64_t heads, int64_t hd, const void *cos, const void *sin, bool bf16,
                      void *out) {
     const int64_t half = hd / 2;
+    if (half % 8 == 0) {  // 8 values at a time: x cos - x' sin, x cos + x' sin, products then a sum, as below
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = h * hd;
+            for (int64_t i = 0; i < half; i += 8) {
+                const __m256 a = load8(x, bf16, base + i), b = load8(x, bf16, base + i + half);
+                const __m256 c0 = load8(cos, bf16, i), s0 = load8(sin, bf16, i);
+                const __m256 c1 = load8(cos, bf16, i + half), s1 = load8(sin, bf16, i + half);
+                store8(out, bf16, base + i, _mm256_sub_ps(_mm256_mul_ps(a, c0), _mm256_mul_ps(b, s0)));
+                store8(out, bf16, base + i + half, _mm256_add_ps(_mm256_mul_ps(b, c1), _mm256_mul_ps(a, s1)));
+            }
+        }
+        return;
+    }
     for (int64_t h = 0; h < heads; h++) {
         const int64_t base = h * hd;
         for (int64_t i = 0; i < hd; i++) {
@@ -64,11 +90,7 @@ inline __m256 silu_mul8(__m256 a, __m256 b) {
 inline void silu_mul_row(const void *g, const void *u, int64_t n, bool bf16, void *out) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 y = silu_mul8(load8(g, bf16, j), load8(u, bf16, j));
-        if (bf16)
-            store_bf16x8(static_cast<uint16_t *>(out) + j, bf16_round8(y));
-        else
-            _mm256_storeu_ps(static_cast<float *>(out) + j, y);
+        store8(out, bf16, j, silu_mul8(load8(g, bf16, j), load8(u, bf16, j)));
     }
     if (j < n) {
         alignas(32) float a[8] = {0}, b[8] = {0}, y[8];
