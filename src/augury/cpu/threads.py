@@ -71,13 +71,16 @@ class ThreadChoice:
         self._last_key = 0  # the bucket of the last timed call
         self._lock = threading.Lock()
 
-    def _bucket(self, rows: int) -> _Bucket:
+    def _sync_arms(self) -> None:
         arms = candidates(self.max_threads())
         if arms != self._arms:  # torch's thread count changed: start over
             self._arms, self._buckets = arms, {}
+
+    def _bucket(self, rows: int) -> _Bucket:
+        self._sync_arms()
         key = bucket(rows)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(arms, self.window, self.explore_min)
+            self._buckets[key] = _Bucket(self._arms, self.window, self.explore_min)
         return self._buckets[key]
 
     def pick(self, rows: int) -> int:
@@ -136,7 +139,7 @@ class ThreadChoice:
         every count has been measured (the one below it on a tie), torch's count where none has."""
         n = max(self.max_threads(), 1)
         with self._lock:
-            self._bucket(rows)  # the candidates as torch's count stands now
+            self._sync_arms()  # the candidates as torch's count stands now
             done = [k for k, b in self._buckets.items()
                     if all(len(t) >= self.min_samples for t in b.times.values())]
             if not done:

@@ -21,14 +21,6 @@ inline void st(void *p, bool bf16, int64_t i, float f) {
         static_cast<float *>(p)[i] = f;
 }
 
-// 8 values to p + i: rounded to bfloat16 (the scalar rounding's bits) or float32
-inline void store8(void *p, bool bf16, int64_t i, __m256 v) {
-    if (bf16)
-        store_bf16x8(static_cast<uint16_t *>(p) + i, bf16_round8(v));
-    else
-        _mm256_storeu_ps(static_cast<float *>(p) + i, v);
-}
-
 // out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j] for one float32 row of dim values
 inline void rmsnorm_row(const float *xr, int64_t dim, const void *w, bool w_bf16, float eps, void *out,
                         bool out_bf16) {

@@ -80,6 +80,14 @@ inline void store_bf16x8(uint16_t *p, __m256 rounded) {
     _mm_storeu_si128(reinterpret_cast<__m128i *>(p), packed);
 }
 
+// 8 values to p + i: rounded to bfloat16 (bf16_round8: the scalar rounding's bits) or float32
+inline void store8(void *p, bool bf16, int64_t i, __m256 v) {
+    if (bf16)
+        store_bf16x8(static_cast<uint16_t *>(p) + i, bf16_round8(v));
+    else
+        _mm256_storeu_ps(static_cast<float *>(p) + i, v);
+}
+
 // Below this many rows a kernel prepares its rows (rounds or widens them) serially, before its
 // parallel region: waking a thread costs more than a few rows.
 constexpr int64_t SERIAL_ROWS = 16;

@@ -249,13 +249,7 @@ struct StoreY {
             static_cast<float *>(y)[m * N + n] = v;
     }
     void row16(int64_t m, int64_t n0, const float *v) const {
-        for (int h = 0; h < 16; h += 8) {
-            const __m256 x = _mm256_loadu_ps(v + h);
-            if (bf16)
-                augury::store_bf16x8(static_cast<uint16_t *>(y) + m * N + n0 + h, augury::bf16_round8(x));
-            else
-                _mm256_storeu_ps(static_cast<float *>(y) + m * N + n0 + h, x);
-        }
+        for (int h = 0; h < 16; h += 8) augury::store8(y, bf16, m * N + n0 + h, _mm256_loadu_ps(v + h));
     }
 };
 
