@@ -325,3 +325,27 @@ def test_forced_tokens_are_verified_when_the_policy_drafts_nothing(ckpts, plain)
     assert got[0].spec_stats.num_accepted_draft_tokens > 0  # forced tokens, no head drafts
     assert got[1].spec_stats.num_verify_steps == 0 and got[2].spec_stats.num_verify_steps == 0
     _no_leak(llm)
+
+
+def test_a_tree_past_the_grammars_end_asks_nothing_of_the_ended_matcher(plain, capfd):
+    """Drafts under a node that took the stop token are dropped without asking the terminated matcher
+    (xgrammar logs a warning for every token offered to it after the end)."""
+    from augury.structured import make_shaper
+
+    eng, tok = plain.engine, plain.tokenizer
+    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="abc")), PROMPTS[0],
+                     vocab_size=eng.model_cfg.vocab_size, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "abcz"}
+    eos = min(eng.eos_token_ids)
+    sh.commit(ids["a"])
+    # root a -> b -> c -> EOS -> z -> z ; the grammar ends at EOS
+    tokens = [ids["a"], ids["b"], ids["c"], eos, ids["z"], ids["z"]]
+    parents = [-1, 0, 1, 2, 3, 4]
+    capfd.readouterr()
+    keep, chains = sh.plan_tree(tokens, parents, len(tokens), capacity=8)
+    assert keep == [0, 1, 2, 3] and chains == []
+    for t in tokens[1:]:
+        sh.push(t)
+    sh.pop_all()
+    assert "terminated" not in capfd.readouterr().err
+    assert not sh.terminated

@@ -195,6 +195,8 @@ class RequestShaper:
         m = self.matcher
 
         def visit(node: int) -> None:  # the matcher is at `node`'s state; collect its allowed subtree
+            if m.is_terminated():  # past the grammar's stop token nothing is allowed (and xgrammar would warn)
+                return
             for c in kids[node]:
                 if m.accept_token(tokens[c]):
                     keep.append(c)
@@ -221,7 +223,7 @@ class RequestShaper:
                 n = parents[n]
             ok = 0
             for t in reversed(path):
-                if not m.accept_token(t):
+                if m.is_terminated() or not m.accept_token(t):
                     break
                 ok += 1
             if ok == len(path):
