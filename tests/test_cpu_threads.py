@@ -162,3 +162,74 @@ def test_the_fused_stack_gives_the_same_bits_with_any_thread_count(tiny_checkpoi
         assert fixed.seen and set(fixed.seen) == {n}
         outs.append([(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]) for o in got])
     assert outs[0] == outs[1]
+
+
+class _Pinned(_Fixed):
+    """Always n threads, the untimed layers (prefill) included."""
+
+    def settled(self, rows: int) -> int:
+        return self.n
+
+    def current(self) -> int:
+        return self.n
+
+
+@pytest.mark.skipif(cpu_kernels.forward() is None, reason="augury's fused-stack kernel does not run here")
+def test_steps_run_torchs_operators_at_the_chosen_count_in_their_thread_only(tiny_checkpoint, monkeypatch) -> None:
+    """Where the fused stack runs a model, the torch operators of its steps (prefill's attention, decode's
+    sampling) run the count the kernels chose, in the engine's thread only, and give the same bits as at
+    torch's own count; torch's count is back after each step and another thread's never moves."""
+    import torch
+    import torch.nn.functional as F
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+                  enable_prefix_caching=False, log_stats_interval=0)
+        prompts = random_prompts([40, 71, 23], seed=5)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+        sdpa = F.scaled_dot_product_attention
+        seen: list[tuple[int, int]] = []
+
+        def spy(*args, **kwargs):
+            other = []
+            t = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+            seen.append((torch.get_num_threads(), other[0]))
+            return sdpa(*args, **kwargs)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        from augury.engine import engine as engine_mod
+
+        sample, sampled = engine_mod.sample, []
+        monkeypatch.setattr(engine_mod, "sample", lambda *a, **k: sampled.append(torch.get_num_threads()) or sample(*a, **k))
+        outs = []
+        for n in (1, 2):
+            monkeypatch.setattr(threads, "_choice", _Pinned(n))
+            seen.clear()
+            sampled.clear()
+            got = llm.generate(prompts, params, use_tqdm=False)
+            assert seen and set(seen) == {(n, 2)}, seen[:4]
+            assert len(sampled) >= 6 and set(sampled) == {n}  # prefill's and the decode steps' sampling
+            assert torch.get_num_threads() == 2
+            outs.append([(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs],
+                          [p and {t: lp.logprob for t, lp in p.items()} for p in o.prompt_logprobs]) for o in got])
+        assert outs[0] == outs[1]
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_dear_count_is_learnt_from_one_call_and_tried_rarely(seed) -> None:
+    """On a core shared with a busy process 2 threads ran ~7x slower than 1: one call of them is enough to
+    know (not min_samples), and the tries after it come less often, so the first 250 calls spend at most
+    5 on 2 threads and about a tenth over the best count's time (before: 7 calls, 17%); later ones
+    still at most one in explore_max."""
+    c = ThreadChoice(max_threads=lambda: 2)
+    used = _drive(c, lambda n, i: 1.0 if n == 1 else 7.0, 2000, seed=seed)
+    first = used[:250]
+    assert first.count(2) <= 5
+    assert sum(7.0 if n == 2 else 1.0 for n in first) / 250 <= 1.11
+    assert used[500:].count(2) <= 1500 / 256 + 1

@@ -31,6 +31,7 @@ as many as cpu/threads.py found fastest on this machine now (`threads.current()`
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -306,6 +307,12 @@ class Elementwise:
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
         self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
+        # the OpenMP runtime these kernels link, torch's libgomp (one per process; see torch_threads)
+        try:
+            self.omp_max_threads = _bind(self._lib, "omp_get_max_threads", [], _I32)
+            self.omp_set_threads = _bind(self._lib, "omp_set_num_threads", [_I32])
+        except AttributeError:
+            self.omp_max_threads = self.omp_set_threads = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
@@ -481,6 +488,36 @@ def attention() -> AttentionKernel | None:
 def elementwise() -> Elementwise | None:
     """The per-row kernels (RMSNorm, rotary), built and loaded on first use; None where they cannot run."""
     return _load("elementwise", Elementwise, _elementwise_self_check)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """In this block, in the calling thread only, torch's own CPU operators run `n` threads (at most
+    torch's count outside such blocks, threads.torch_count).
+
+    torch's parallel operators size their OpenMP teams by the calling thread's nthreads ICV
+    (omp_get_max_threads, which torch.get_num_threads reads), so setting it with omp_set_num_threads in
+    this thread changes nothing for other threads (a host application's, a server's) and nothing
+    process-wide; it is restored on exit. No-op where n is 0 or already the count, where augury's
+    kernels do not load, or where the runtime they link is not the one torch reads (checked: torch's
+    count must follow)."""
+    k = elementwise() if n > 0 else None
+    outer = cpu_threads.torch_count()
+    n = min(n, outer)
+    if k is None or k.omp_set_threads is None or n == torch.get_num_threads():
+        yield
+        return
+    before = k.omp_max_threads()
+    k.omp_set_threads(n)
+    if torch.get_num_threads() != n:  # the kernels' runtime is not the one torch reads: leave both alone
+        k.omp_set_threads(before)
+        yield
+        return
+    try:
+        with cpu_threads.torch_outer(outer):
+            yield
+    finally:
+        k.omp_set_threads(before)
 
 
 def forward() -> Forward | None:

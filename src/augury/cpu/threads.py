@@ -11,7 +11,8 @@ calls runs; the others are tried again now and then, every `interval` calls, the
 (up to `explore_max`) while they keep losing, and tried again at once after a call that beat the
 current count's median (until their median settles the matter) and when the choice changes, so
 a change of load is noticed within a few hundred calls while a losing count costs at most
-1 / explore_max of the calls once settled. A count replaces the current one only when its median is
+1 / explore_max of the calls once settled (the gap before a try also grows by how much that count
+lost, up to explore_max: a dear count is tried less often early on). A count replaces the current one only when its median is
 lower by more than `margin` (hysteresis against noise). The kernels give the same bits with any
 thread count (threads split rows or columns, never one value's sum), so the choice changes speed
 only. torch's own thread setting, the process's, is never changed.
@@ -34,6 +35,30 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+
+
+_torch_outer = threading.local()  # torch's count in this thread outside kernels.torch_threads blocks
+
+
+def torch_count() -> int:
+    """torch's thread count as this thread has it outside a kernels.torch_threads block (inside one,
+    torch.get_num_threads reads the block's lower count, which must not look like a change of setting)."""
+    n = getattr(_torch_outer, "n", None)
+    return n if n else torch.get_num_threads()
+
+
+@contextmanager
+def torch_outer(n: int):
+    """Record n as this thread's torch count while a kernels.torch_threads block lowers it."""
+    before = getattr(_torch_outer, "n", None)
+    _torch_outer.n = before or n
+    try:
+        yield
+    finally:
+        _torch_outer.n = before
+
+
+CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -62,7 +87,7 @@ class _Bucket:
 class ThreadChoice:
     """Thread counts for the fused stack, by measurement (see the module's docstring)."""
 
-    def __init__(self, max_threads: Callable[[], int] = torch.get_num_threads, window: int = 7,
+    def __init__(self, max_threads: Callable[[], int] = torch_count, window: int = 7,
                  min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256) -> None:
         self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
@@ -83,6 +108,15 @@ class ThreadChoice:
             self._buckets[key] = _Bucket(self._arms, self.window, self.explore_min)
         return self._buckets[key]
 
+    def _measured(self, b: _Bucket, arm: int) -> bool:
+        """arm has min_samples times, or fewer that all lose by more than CLEAR_LOSS to a count that has
+        them (no noise makes that up: a count 7x slower need not be timed three times to know)."""
+        t = b.times[arm]
+        if len(t) >= self.min_samples:
+            return True
+        done = [b.median(a) for a in b.times if a != arm and len(b.times[a]) >= self.min_samples]
+        return bool(t) and bool(done) and min(t) > CLEAR_LOSS * min(done)
+
     def pick(self, rows: int) -> int:
         """The thread count for a call over `rows` rows (time it and `record` it)."""
         with self._lock:
@@ -90,13 +124,16 @@ class ThreadChoice:
             b.calls += 1
             if len(b.times) == 1:
                 arm = b.best
-            elif (short := [a for a in b.times if len(b.times[a]) < self.min_samples]):
+            elif (short := [a for a in b.times if not self._measured(b, a)]):
                 arm = short[b.calls % len(short)]  # every count measured a few times first
             elif b.calls >= b.next_explore:
                 others = [a for a in b.times if a != b.best]
                 arm = others[b.turn % len(others)]
                 b.turn += 1
-                b.next_explore = b.calls + b.interval
+                # a count that loses by r costs r - 1 calls' time each try: the gap grows by r (a busy
+                # process on a shared core made 2 threads ~7x slower than 1), never past explore_max
+                loss = b.median(arm) / max(b.median(b.best), 1e-12)
+                b.next_explore = b.calls + min(int(b.interval * min(max(loss, 1.0), 16.0)), self.explore_max)
                 b.interval = min(2 * b.interval, self.explore_max)
             else:
                 arm = b.best
@@ -110,7 +147,7 @@ class ThreadChoice:
             if threads not in b.times:
                 return
             b.times[threads].append(seconds)
-            if any(len(t) < self.min_samples for t in b.times.values()):
+            if not all(self._measured(b, a) for a in b.times):
                 return
             if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
                 b.interval = self.explore_min  # a losing count ran faster: try it again at once
@@ -141,7 +178,7 @@ class ThreadChoice:
         with self._lock:
             self._sync_arms()  # the candidates as torch's count stands now
             done = [k for k, b in self._buckets.items()
-                    if all(len(t) >= self.min_samples for t in b.times.values())]
+                    if all(self._measured(b, a) for a in b.times)]
             if not done:
                 return n
             key = bucket(rows)

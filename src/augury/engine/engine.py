@@ -15,6 +15,8 @@ import torch
 
 from augury.attention import AttentionBackend
 from augury.config import EngineConfig
+from augury.cpu import kernels as cpu_kernels
+from augury.cpu import threads as cpu_threads
 from augury.engine.detokenizer import IncrementalDetokenizer
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.request import Request, Status
@@ -164,15 +166,23 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if batch.prefill:
-            touched = self._run_prefill(batch)
-        else:
-            touched = batch.requests
-            if self.speculator is None or not self.speculator.step(self, batch.requests):
-                t0 = clock(self.device)
-                self._run_decode(batch)
-                if self.speculator is not None:
-                    self.speculator.observe_plain(len(batch.requests), clock(self.device) - t0)
+        # where the fused stack runs the target, a step's torch operators (prefill's attention, sampling,
+        # the draft head's) run the kernels' chosen count in this thread only (cpu/threads.py): on a core
+        # shared with a busy process two threads cost several times one, and leave libgomp's idle
+        # worker spinning against it
+        rows = sum(e - r.num_computed for r, e in zip(batch.requests, batch.ends)) if batch.prefill \
+            else len(batch.requests)
+        n = cpu_threads.settled(rows) if self.device.type == "cpu" and getattr(self.model, "runs_fused", False) else 0
+        with cpu_kernels.torch_threads(n):
+            if batch.prefill:
+                touched = self._run_prefill(batch)
+            else:
+                touched = batch.requests
+                if self.speculator is None or not self.speculator.step(self, batch.requests):
+                    t0 = clock(self.device)
+                    self._run_decode(batch)
+                    if self.speculator is not None:
+                        self.speculator.observe_plain(len(batch.requests), clock(self.device) - t0)
         self.stats.maybe_log(self)
         return self._emit(touched)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 from augury.models.config import TargetConfig
 from augury.models import fused
@@ -238,6 +239,12 @@ class TargetModel(Watched, nn.Module):
         self._fused = None  # tensors moved or converted: the fused kernel's addresses are stale
         return super()._apply(fn, *args, **kwargs)
 
+    @property
+    def runs_fused(self) -> bool:
+        """The fused stack (models/fused.py) runs this model's steps: every layer-stack linear is one of
+        augury's kernels, so the torch operators left in a step give the same bits at any thread count."""
+        return bool(self._fused)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
@@ -265,9 +272,13 @@ class TargetModel(Watched, nn.Module):
                 return done
         captured: dict[int, torch.Tensor] = {}
         # augury's kernels in these layers run the thread count the fused stack's timed calls settled
-        # on (cpu/threads.py), not whatever count its last call explored
+        # on (cpu/threads.py), not whatever count its last call explored; where the stack runs this
+        # model (every linear one of augury's kernels), so do torch's own operators here, in this thread
+        # (prefill's attention: on a core shared with a busy process two threads cost ~3x one), which
+        # give the same bits at any thread count (tests/test_cpu_threads.py)
         threads = cpu_threads.settled(input_ids.numel()) if h.device.type == "cpu" and self.tp is None else 0
-        with cpu_threads.scoped(threads):
+        torch_threads = threads if self.runs_fused else 0
+        with cpu_threads.scoped(threads), cpu_kernels.torch_threads(torch_threads):
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, attn, i)
                 if i in aux_layers:
