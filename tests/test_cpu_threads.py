@@ -233,3 +233,33 @@ def test_a_dear_count_is_learnt_from_one_call_and_tried_rarely(seed) -> None:
     assert first.count(2) <= 5
     assert sum(7.0 if n == 2 else 1.0 for n in first) / 250 <= 1.11
     assert used[500:].count(2) <= 1500 / 256 + 1
+
+
+def test_torchs_exact_rows_attention_is_the_decode_steps_at_two_threads(monkeypatch) -> None:
+    """Kernels off, torch's attention for exact rows: each node of a 14-node chain, verified at once,
+    equals a decode step at its position bit for bit with torch at 2 threads (torch's CPU attention gave
+    the query where its second thread starts other bits: greedy speculative output then left plain
+    output on 1 of 8 held-out chats with AUGURY_CPU_KERNELS=0)."""
+    import torch
+
+    from augury.attention import paged
+
+    monkeypatch.setattr(paged, "_attention_kernel", lambda k_cache: None)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        bs, ctx, n, nh, nkv, hd = 16, 40, 14, 9, 3, 64
+        k_cache, v_cache = (torch.randn(1, 8 * bs, nkv, hd, generator=g) for _ in range(2))
+        backend = paged.PagedBackend(k_cache, v_cache, bs)
+        table = list(range(1, 8))
+        q = torch.randn(1, n, nh, hd, generator=g)
+        k, v = torch.randn(1, n, nkv, hd, generator=g), torch.randn(1, n, nkv, hd, generator=g)
+        chain = (torch.arange(n) - 1)[None]
+        tree = backend.prepare_tree([table], [ctx], chain)(0, q, k, v)  # [1, n, nh * hd]
+        for j in range(n):
+            one = backend.prepare_decode([table], [ctx + j])(0, q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1])
+            assert torch.equal(one[0, 0], tree[0, j]), f"node {j}"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

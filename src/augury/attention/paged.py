@@ -7,6 +7,7 @@ the draft head take one masked attention over [context, new tokens].
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 from dataclasses import dataclass
@@ -299,6 +300,14 @@ class StepAttention:
                 out[rows] = o.view(-1, 1, nh * hd)
             return out
         flat = q.reshape(-1, 1, nh, hd)
+        # torch's CPU attention at 2+ threads gives the query where its second thread starts other bits
+        # than the same query in another batch (torch 2.13, float32 with a mask): one thread, so a
+        # verified node's row is the decode step's (tests/test_speculative.py)
+        with cpu_kernels.torch_threads(1) if q.device.type == "cpu" else contextlib.nullcontext():
+            return self._attend_torch_rows(flat, k_cache, v_cache, nkv, hd)
+
+    def _attend_torch_rows(self, flat, k_cache, v_cache, nkv: int, hd: int) -> torch.Tensor:
+        exact = self.exact
         out = None
         for rows, slots, mask, lone in self.exact_calls:
             g, w = mask.shape[0], mask.shape[-1]

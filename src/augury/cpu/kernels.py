@@ -307,12 +307,6 @@ class Elementwise:
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
         self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
-        # the OpenMP runtime these kernels link, torch's libgomp (one per process; see torch_threads)
-        try:
-            self.omp_max_threads = _bind(self._lib, "omp_get_max_threads", [], _I32)
-            self.omp_set_threads = _bind(self._lib, "omp_set_num_threads", [_I32])
-        except AttributeError:
-            self.omp_max_threads = self.omp_set_threads = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
@@ -490,6 +484,23 @@ def elementwise() -> Elementwise | None:
     return _load("elementwise", Elementwise, _elementwise_self_check)  # type: ignore[return-value]
 
 
+_omp_lib: list = []  # [ctypes.CDLL or None]: the OpenMP runtime torch loaded, looked up once
+
+
+def _omp():
+    """libgomp as torch loaded it (dlopen by its soname finds the copy already in the process, the one
+    augury's kernels link too), or None where there is none to find (another runtime, not Linux)."""
+    if not _omp_lib:
+        try:
+            lib = ctypes.CDLL("libgomp.so.1")
+            _bind(lib, "omp_get_max_threads", [], _I32)
+            _bind(lib, "omp_set_num_threads", [_I32])
+        except (OSError, AttributeError):
+            lib = None
+        _omp_lib.append(lib)
+    return _omp_lib[0]
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """In this block, in the calling thread only, torch's own CPU operators run `n` threads (at most
@@ -498,26 +509,26 @@ def torch_threads(n: int):
     torch's parallel operators size their OpenMP teams by the calling thread's nthreads ICV
     (omp_get_max_threads, which torch.get_num_threads reads), so setting it with omp_set_num_threads in
     this thread changes nothing for other threads (a host application's, a server's) and nothing
-    process-wide; it is restored on exit. No-op where n is 0 or already the count, where augury's
-    kernels do not load, or where the runtime they link is not the one torch reads (checked: torch's
-    count must follow)."""
-    k = elementwise() if n > 0 else None
+    process-wide; it is restored on exit. No-op where n is 0 or already the count, or where the
+    runtime found is not the one torch reads (checked: torch's count must follow). Needs no kernel
+    built: the kernels-off path uses it too (attention/paged.py)."""
     outer = cpu_threads.torch_count()
     n = min(n, outer)
-    if k is None or k.omp_set_threads is None or n == torch.get_num_threads():
+    lib = _omp() if n > 0 and n != torch.get_num_threads() else None
+    if lib is None:
         yield
         return
-    before = k.omp_max_threads()
-    k.omp_set_threads(n)
-    if torch.get_num_threads() != n:  # the kernels' runtime is not the one torch reads: leave both alone
-        k.omp_set_threads(before)
+    before = lib.omp_get_max_threads()
+    lib.omp_set_num_threads(n)
+    if torch.get_num_threads() != n:  # not the runtime torch reads: leave both alone
+        lib.omp_set_num_threads(before)
         yield
         return
     try:
         with cpu_threads.torch_outer(outer):
             yield
     finally:
-        k.omp_set_threads(before)
+        lib.omp_set_num_threads(before)
 
 
 def forward() -> Forward | None:
