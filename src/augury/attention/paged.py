@@ -302,7 +302,7 @@ class StepAttention:
         flat = q.reshape(-1, 1, nh, hd)
         # torch's CPU attention at 2+ threads gives the query where its second thread starts other bits
         # than the same query in another batch (torch 2.13, float32 with a mask): one thread, so a
-        # verified node's row is the decode step's (tests/test_speculative.py)
+        # verified node's row is the decode step's (tests/test_cpu_threads.py)
         with cpu_kernels.torch_threads(1) if q.device.type == "cpu" else contextlib.nullcontext():
             return self._attend_torch_rows(flat, k_cache, v_cache, nkv, hd)
 
