@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -484,21 +485,17 @@ def elementwise() -> Elementwise | None:
     return _load("elementwise", Elementwise, _elementwise_self_check)  # type: ignore[return-value]
 
 
-_omp_lib: list = []  # [ctypes.CDLL or None]: the OpenMP runtime torch loaded, looked up once
-
-
+@functools.cache
 def _omp():
     """libgomp as torch loaded it (dlopen by its soname finds the copy already in the process, the one
     augury's kernels link too), or None where there is none to find (another runtime, not Linux)."""
-    if not _omp_lib:
-        try:
-            lib = ctypes.CDLL("libgomp.so.1")
-            _bind(lib, "omp_get_max_threads", [], _I32)
-            _bind(lib, "omp_set_num_threads", [_I32])
-        except (OSError, AttributeError):
-            lib = None
-        _omp_lib.append(lib)
-    return _omp_lib[0]
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")
+        _bind(lib, "omp_get_max_threads", [], _I32)
+        _bind(lib, "omp_set_num_threads", [_I32])
+        return lib
+    except (OSError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager

@@ -172,7 +172,7 @@ class Engine:
         # worker spinning against it
         rows = sum(e - r.num_computed for r, e in zip(batch.requests, batch.ends)) if batch.prefill \
             else len(batch.requests)
-        n = cpu_threads.settled(rows) if self.device.type == "cpu" and getattr(self.model, "runs_fused", False) else 0
+        n = cpu_threads.settled(rows) if self.device.type == "cpu" and self.model.runs_fused else 0
         with cpu_kernels.torch_threads(n):
             if batch.prefill:
                 touched = self._run_prefill(batch)

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 from augury.models.config import TargetConfig
 from augury.models import fused
@@ -272,13 +271,10 @@ class TargetModel(Watched, nn.Module):
                 return done
         captured: dict[int, torch.Tensor] = {}
         # augury's kernels in these layers run the thread count the fused stack's timed calls settled
-        # on (cpu/threads.py), not whatever count its last call explored; where the stack runs this
-        # model (every linear one of augury's kernels), so do torch's own operators here, in this thread
-        # (prefill's attention: on a core shared with a busy process two threads cost ~3x one), which
-        # give the same bits at any thread count (tests/test_cpu_threads.py)
+        # on (cpu/threads.py), not whatever count its last call explored (torch's operators take it from
+        # Engine.step, where runs_fused)
         threads = cpu_threads.settled(input_ids.numel()) if h.device.type == "cpu" and self.tp is None else 0
-        torch_threads = threads if self.runs_fused else 0
-        with cpu_threads.scoped(threads), cpu_kernels.torch_threads(torch_threads):
+        with cpu_threads.scoped(threads):
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos, sin, attn, i)
                 if i in aux_layers:
