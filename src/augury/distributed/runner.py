@@ -99,6 +99,12 @@ class ShardedTarget(nn.Module):
         return self.local.quantization
 
     @property
+    def runs_fused(self) -> bool:
+        """False: a tensor-parallel rank runs its pinned share of threads (launch.py), never the kernels'
+        measured choice, so Engine.step leaves torch's count alone."""
+        return False
+
+    @property
     def _fused(self):
         return self.local._fused
 
