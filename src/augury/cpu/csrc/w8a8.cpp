@@ -61,6 +61,7 @@ inline void panel8(const int8_t *pw, const float *ps, int64_t G, int64_t Gp, con
             if (h == 0) prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
             __m256i ia[R];
             for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // unrolled whole, the compiler spilled the sums
             for (int b = 0; b < 8; b++) {
                 const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
