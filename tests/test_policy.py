@@ -49,6 +49,26 @@ def test_measured_cheap_drafting_is_chosen_and_dear_drafting_is_not(shape):
     assert {dear.choose(1) for _ in range(EXPLORE_EVERY - 1)} == {None}
 
 
+@pytest.mark.parametrize("ratio, stops", [(20.0, True), (3.0, False)])
+def test_a_probe_of_hopeless_drafting_stops_after_one_timed_step(ratio, stops):
+    """A probe step that, even were every draft accepted, pays under half of plain decoding's tokens
+    per second ends the probe at once (each probe step there costs many plain steps); a dear step
+    that could still pay at full acceptance goes on being measured."""
+    policy = AdaptivePolicy(TREE, None)
+    b = 4
+    policy.choose(b)
+    teach_times(policy, b, 0.040, {})
+    assert policy.choose(b) == TREE  # the probe's first step
+    bk = policy.buckets[bucket_of(b)]
+    policy.observe(b, TREE, 0.040 * ratio, [0] * b, sizes=[TREE.num_draft_tokens] * b)
+    assert len(bk.arm(TREE.num_steps).fresh) == 1
+    nxt = policy.choose(b)
+    if stops:
+        assert nxt is None and bk.probe is None and bk.probe_at > bk.steps  # lost: back-off before the next
+    else:
+        assert nxt == TREE and bk.probe == TREE.num_steps
+
+
 def test_each_batch_bucket_decides_from_its_own_measurements():
     """Verification cheap at small batches and dear at large ones: the crossover is where the
     measurements put it, bucket by bucket."""
