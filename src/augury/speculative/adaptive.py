@@ -233,9 +233,9 @@ class AdaptivePolicy(Acceptance):
     def _hopeless(self, bk: Bucket, b: int, times: list[float | None], caps, expected: list[Expected]) -> bool:
         """A probe that already shows drafting losing stops there (a dear arm costs little to learn):
         after one timed step, if even were every draft accepted it would pay under half of plain
-        decoding's tokens per second (no shared machine's spike doubles a whole step here, and a wrong
-        call costs one back-off; on an AVX2 EPYC a tree at batch 16 costs ~9 plain steps, each probe
-        step ~8 plain steps lost); after two, if it could not pay at all; after three, if at the
+        decoding's tokens per second (a spike of a shared machine rarely doubles one whole step, and a
+        wrong call costs one back-off; on an AVX2 EPYC a tree at batch 16 costs ~9 plain steps, so each
+        probe step is ~8 plain steps lost); after two, if it could not pay at all; after three, if at the
         requests' expected acceptance it loses to plain decoding by a clear margin."""
         fresh, t0 = bk.arm(bk.probe).fresh, times[0]
         if t0 is None or not fresh:
