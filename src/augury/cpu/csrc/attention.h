@@ -18,11 +18,10 @@ namespace augury {
 constexpr int64_t KV_AHEAD = 16;
 
 inline void prefetch_kv(const void *kc, const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd, int64_t slot) {
-    const int64_t bytes = hd * (kv_bf16 ? 2 : 4), at = (slot * nkv + g) * bytes;
-    for (int64_t c = 0; c < bytes; c += 64) {
-        _mm_prefetch(static_cast<const char *>(kc) + at + c, _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char *>(vc) + at + c, _MM_HINT_T0);
-    }
+    const int bytes = static_cast<int>(hd) * (kv_bf16 ? 2 : 4);
+    const int64_t at = (slot * nkv + g) * bytes;
+    prefetch_next(static_cast<const char *>(kc) + at, bytes);
+    prefetch_next(static_cast<const char *>(vc) + at, bytes);
 }
 
 // p_j = exp8(s_j - m) in place over a head's n scores, and 1 / l, l = sum_j p_j (8-lane partial sums

@@ -14,6 +14,11 @@
 
 namespace augury {
 
+// Ask for bytes [p, p + n) in cache ahead of use (a hint: never faults, past the end included)
+inline void prefetch_next(const void *p, int n) {
+    for (int c = 0; c < n; c += 64) _mm_prefetch(static_cast<const char *>(p) + c, _MM_HINT_T0);
+}
+
 // 8 values from p + i, bfloat16 (widened exactly) or float32
 inline __m256 load8(const void *p, bool bf16, int64_t i) {
     if (bf16) {

@@ -77,10 +77,7 @@ inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t
 constexpr int PANEL = 16;
 constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
-// Ask for bytes [p, p + n) in cache ahead of use (a hint: never faults, past the end included)
-inline void prefetch_next(const void *p, int n) {
-    for (int c = 0; c < n; c += 64) _mm_prefetch(static_cast<const char *>(p) + c, _MM_HINT_T0);
-}
+using augury::prefetch_next;  // simd.h
 
 inline int32_t load_i32(const int8_t *p) {
     int32_t v;
