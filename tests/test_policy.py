@@ -318,3 +318,20 @@ def test_steps_that_catch_up_a_backlog_are_not_timed(ckpts):
     llm.generate([[5] * 20], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert seen[0] is False  # the 20-token prompt was caught up in this step
     assert len(seen) > 1 and all(seen[1:])  # afterwards each step catches up only what it committed
+
+
+def test_a_probe_cut_short_is_not_outvoted_by_its_arms_old_window():
+    """Drafting was measured dear (a full window at 0.2 s a step); the kernels change and a probe gets
+    only three timed steps (the others caught up a backlog) at 0.02 s: the arm's estimate follows the
+    fresh steps, not the fifteen stale ones (with them appended to the old window it stayed ~0.2 s)."""
+    from augury.speculative.arms import MIN_SEEN, WINDOW, Bucket
+
+    bk = Bucket()
+    for i in range(WINDOW):
+        bk.arm(3).add(8, 0.2, i)
+    bk.start_probe(3)
+    for i in range(MIN_SEEN - 2):
+        bk.arm(3).add(8, 0.02, WINDOW + i)
+    bk.end_probe()
+    assert bk.arm(3).seconds() == pytest.approx(0.02)
+    assert len(bk.arm(3).recent) == MIN_SEEN - 2

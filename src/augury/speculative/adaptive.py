@@ -54,7 +54,7 @@ log = logging.getLogger("augury.speculative")
 
 ON_MARGIN, STAY_MARGIN = 1.05, 1.0  # predicted goodput over plain's to turn speculation on / keep it on
 EXPLORE_EVERY = 40  # while speculating: every so many bucket steps one plain step
-DEPTH_EXPLORE_EVERY = 256  # ... and a chain's stalest depth, re-measured afresh (a probe)
+DEPTH_EXPLORE_EVERY = 128  # ... and a chain's stalest depth, re-measured afresh (a probe)
 FIXED_ROWS, ROW_SHARE = 1.0, 0.5  # drafting's extra: a fixed part worth this many rows; a row's part not per node
 LEAST_DRAFT_COST = 1.1  # a drafting step costs at least this many plain steps (the draft forwards)
 PROBE_CLEAR = 1.25  # a probe stops once drafting, as predicted from its own steps, loses by this factor

@@ -7,8 +7,9 @@ nothing else (a step that also caught the head up on a backlog is not timed; a s
 drafted only part of the shape is scaled up to the whole shape, see AdaptivePolicy.observe); an
 arm's estimate is their trimmed mean (robust to a shared machine's spikes like a median, and less
 noisy), once it has MIN_SEEN of them, and no arm's figure is derived from another's. A probe
-re-measures one arm from scratch: its old window is replaced by MIN_SEEN fresh steps, so no
-estimate stays frozen at what an arm cost long ago.
+re-measures one arm from scratch: its old window is replaced by MIN_SEEN fresh steps (or by the
+two or more it timed, when it was cut short), so no estimate stays frozen at what an arm cost long
+ago.
 
 The guard: while a bucket speculates, the realized goodput of its last speculative steps as they
 ran (mean tokens emitted over the trimmed mean step time) is compared with plain decoding's in the same bucket
@@ -40,7 +41,7 @@ GUARD_WINDOW = 32  # speculative steps, as run, whose realized goodput the guard
 GUARD_MIN = 16  # ... at least this many before it judges (and again every GUARD_MIN // 2 steps)
 GUARD_MARGIN = 0.95  # realized speculative goodput under this share of plain's: speculation off
 BASE_BACKOFF, MAX_BACKOFF = 32, 256  # bucket steps before a losing arm is tried again (doubling)
-EXPLORE_BUDGET = 0.04  # ... and at least so many that probing costs at most this share of the time
+EXPLORE_BUDGET = 0.01  # ... and at least so many that probing costs at most this share of the time
 TRY_BUDGET = 0.02  # plain steps of credit each bucket step adds for optimistic tries while plain ...
 TRY_CAP = 3.0  # ... up to this many (a fresh bucket starts full)
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
@@ -60,12 +61,13 @@ def bucket_of(batch: int) -> int:
 class Arm:
     """One (bucket, depth): its last WINDOW timed steps as (tokens, seconds)."""
 
-    __slots__ = ("recent", "fresh", "last")
+    __slots__ = ("recent", "fresh", "last", "least")
 
     def __init__(self) -> None:
         self.recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)
         self.fresh: list[tuple[float, float]] | None = None  # a probe's steps, replacing `recent` once enough
         self.last = -1  # bucket step of its last timed step
+        self.least = MIN_SEEN  # timed steps in the window before its estimate counts (2 after a probe cut short)
 
     def add(self, tokens: float, seconds: float, step: int) -> None:
         self.last = step
@@ -75,11 +77,11 @@ class Arm:
         self.fresh.append((tokens, seconds))
         if len(self.fresh) >= MIN_SEEN:
             self.recent = deque(self.fresh, maxlen=WINDOW)
-            self.fresh = None
+            self.fresh, self.least = None, MIN_SEEN
 
     def seconds(self) -> float | None:
-        """Seconds per step (trimmed mean), or None before MIN_SEEN timed steps."""
-        if len(self.recent) < MIN_SEEN:
+        """Seconds per step (trimmed mean), or None before MIN_SEEN timed steps (see end_probe)."""
+        if len(self.recent) < self.least:
             return None
         return trimmed_mean([s for _, s in self.recent])
 
@@ -146,10 +148,15 @@ class Bucket:
         self.arm(depth).fresh = []
 
     def end_probe(self) -> None:
-        """A probe that timed fewer than MIN_SEEN steps adds what it got to the old window."""
+        """A probe that timed fewer than MIN_SEEN steps (its others caught up a backlog, or it stopped
+        early) replaces the old window all the same where it timed two or more (an arm measured long
+        ago, in another regime, must not outvote its fresh steps; they count as an estimate from two);
+        a single step joins the newest of the old window's steps that make MIN_SEEN."""
         a = self.arm(self.probe)
-        for tokens, seconds in a.fresh or []:
-            a.recent.append((tokens, seconds))
+        if a.fresh and len(a.fresh) >= 2:
+            a.recent, a.least = deque(a.fresh, maxlen=WINDOW), 2
+        elif a.fresh:
+            a.recent = deque(list(a.recent)[-(MIN_SEEN - 1):] + a.fresh, maxlen=WINDOW)
         a.fresh = None
         self.probe = None
         self.blocked = False
