@@ -168,6 +168,26 @@ def test_a_new_bucket_above_a_losing_one_waits_for_that_ones_back_off():
     assert fresh.choose(2) == TREE  # nothing below: a new bucket probes at once
 
 
+@pytest.mark.parametrize("dear, waits", [(0.480, True), (0.080, False)])
+def test_a_new_bucket_below_a_losing_one_waits_only_where_drafting_could_not_pay(dear, waits):
+    """A batch draining from 4 to 3: where a tree at batch 4 cost 12 plain steps, even scaled down to
+    3 rows (9 plain steps' extra) with every draft accepted (3 tokens a row) it cannot pay, so bucket
+    3 waits for bucket 4's back-off instead of probing at once; at 2 plain steps it could, and does."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    teach_times(policy, 4, 0.040, {3: dear})
+    policy.buckets[bucket_of(4)].probes = 1
+    assert policy.choose(4) is None
+    bk4 = policy.buckets[bucket_of(4)]
+    assert bk4.decided and not bk4.on
+    teach_times(policy, 3, 0.035, {})
+    first = policy.choose(3)
+    assert (first is None) == waits
+    if waits:
+        bk3 = policy.buckets[bucket_of(3)]
+        assert bk3.probe_at - bk3.steps >= bk4.probe_at - bk4.steps - 2
+
+
 def test_a_tree_is_drafted_whole_or_not_at_all():
     policy = AdaptivePolicy(TREE, None)
     assert policy.depths() == [TREE.num_steps]
