@@ -355,3 +355,55 @@ def test_a_probe_cut_short_is_not_outvoted_by_its_arms_old_window():
     bk.end_probe()
     assert bk.arm(3).seconds() == pytest.approx(0.02)
     assert len(bk.arm(3).recent) == MIN_SEEN - 2
+
+
+def test_a_stale_shallow_depth_does_not_make_a_fresh_deeper_one_look_dear():
+    """A chain measured depth 2 at 0.14 s long ago (another regime) and depth 4 at 0.06 s just now:
+    depth 4 is estimated at its own time, and depth 2 at no more (more drafting cannot be cheaper, and
+    the fresher figure holds). Raising depth 4 to the stale 0.14 s made a chain draft depth 1 for
+    hundreds of steps in the simulator."""
+    from augury.speculative.arms import Bucket
+
+    bk = Bucket()
+    for i in range(5):
+        bk.arm(0).add(1, 0.05, 100 + i)
+        bk.arm(2).add(3, 0.14, i)
+        bk.arm(4).add(5, 0.06, 100 + i)
+    times = bk.times([1, 2, 3, 4], 4)
+    assert times[4] == pytest.approx(0.06) and times[2] == pytest.approx(0.06)
+    assert times[0] == pytest.approx(0.05) and times[3] == pytest.approx(0.06)
+    bk.arm(2).add(3, 0.14, 200)  # now depth 2 is the fresher: it holds
+    assert bk.times([1, 2, 3, 4], 4)[4] == pytest.approx(0.14)
+
+
+def test_a_plain_batch_skips_the_rule_but_not_its_probes_or_tries():
+    """Drafting lost at batch 1: while the same request decodes plainly the rule runs once every
+    QUIET_STEPS steps (it costs ~0.2 ms a step in Python), the probe still comes at its step, and a
+    new request (due for a try) brings the rule back at once."""
+    from augury.speculative.adaptive import QUIET_STEPS
+
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    teach_times(policy, 1, 0.040, {3: 0.400})
+    bk = policy.buckets[bucket_of(1)]
+    bk.probes = 1
+    reqs = _reqs(1)
+    calls = []
+    decide = policy._decide
+    policy._decide = lambda *a: calls.append(bk.steps) or decide(*a)
+    plans = [policy.plan(reqs) for _ in range(3)]  # the request's first try, then plain
+    probe_at = bk.probe_at
+    assert probe_at - bk.steps > 4 * QUIET_STEPS
+    before = len(calls)
+    drafted_at = None
+    for _ in range(probe_at - bk.steps + 1):
+        plan = policy.plan(reqs)
+        policy.observe_plain(1, 0.040) if not plan.drafting else None
+        if plan.drafting and drafted_at is None:
+            drafted_at = bk.steps
+    assert drafted_at == probe_at  # the probe, on time
+    steps = drafted_at - probe_at + len(plans)
+    assert len(calls) - before <= (probe_at - 3) // QUIET_STEPS + 2
+    n = len(calls)
+    policy.plan(_reqs(2)[1:])  # another request: the rule runs
+    assert len(calls) == n + 1

@@ -115,6 +115,7 @@ class Bucket:
         self.on_since = 0
         self.decided = False  # a first decision was logged
         self.credit = TRY_CAP  # plain steps' worth of time optimistic tries may still spend (see the module doc)
+        self.quiet: tuple | None = None  # (the batch's key, until which policy step): AdaptivePolicy._quiet
 
     def arm(self, depth: int) -> Arm:
         a = self.arms.get(depth)
@@ -126,9 +127,17 @@ class Bucket:
         """Estimated seconds per step at depth 0..deepest: the measured estimate where there is one;
         a depth not measured yet (a chain's) lies on the line between its measured neighbours (an
         optimistic guess: choosing it measures it), None beyond the deepest measured one; never
-        less than a shallower depth's (more drafting cannot be cheaper)."""
+        less than a shallower depth's (more drafting cannot be cheaper: where two measured drafting
+        depths disagree, the more recently measured one's time holds for both)."""
         t: list[float | None] = [self.arm(d).seconds() if d in self.arms else None for d in range(deepest + 1)]
         known = [d for d in range(deepest + 1) if t[d] is not None and (d == 0 or d in depths)]
+        for i, d in enumerate(known):  # a deeper drafting depth measured cheaper than a shallower one: the
+            for k in known[1:i]:  # one measured more recently holds (a figure from another regime, long
+                if t[k] > t[d]:  # ago, must not make a fresh one look dear), the other takes its time
+                    if self.arm(d).last >= self.arm(k).last:
+                        t[k] = t[d]
+                    else:
+                        t[d] = t[k]
         out: list[float | None] = []
         for d in range(deepest + 1):
             v = t[d] if d in known else None
