@@ -155,14 +155,18 @@ class AdaptivePolicy(Acceptance):
                 or bk.steps + 1 >= bk.probe_at):
             bk.quiet = None
             return False
-        self.steps += 1
-        bk.steps += 1
-        bk.accrue()
+        self._tick(bk)
         self._count(0, {}, "rule")
         for own in owns:
             if own is not None:
                 own.steps += 1
         return True
+
+    def _tick(self, bk: Bucket) -> None:
+        """A decision taken for bucket bk: the policy's and the bucket's steps, the tries' credit."""
+        self.steps += 1
+        bk.steps += 1
+        bk.accrue()
 
     def choose(self, batch_size: int) -> TreeShape | None:
         """The rule for a batch whose requests all have the batch-level acceptance and no caps: the
@@ -179,11 +183,9 @@ class AdaptivePolicy(Acceptance):
         """(depth, {row: (draft nodes, expected accepted)}, kind): the one decision rule. expected: each
         row's expected acceptance, an optimistic guess where due; regular: without the guess. kind is
         "probe" or "explore" (a step run to measure an arm) or "rule" (the rule's own choice)."""
-        self.steps += 1
         key = bucket_of(b)
         bk = self._bucket(key)
-        bk.steps += 1
-        bk.accrue()
+        self._tick(bk)
         probed = False
         depths = self.depths()
         times = bk.times(depths, self.max_shape.num_steps)
