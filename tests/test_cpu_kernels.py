@@ -446,3 +446,32 @@ def test_training_keeps_gradients_through_norm_and_rotary() -> None:
     assert q.grad is not None and q.grad.abs().sum() > 0
     with torch.no_grad():  # inference still takes the kernels where they run
         assert not layers._needs_grad(q, cos, sin)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+def test_rotary_tables_are_the_correctly_rounded_cos_and_sin_of_their_angles(rope_type: str) -> None:
+    """Every entry of the rotary tables is cos / sin of its float32 angle (position x inverse
+    frequency, rounded as transformers rounds it) computed in double precision by the C library and
+    rounded once to float32, on both halves of a table long enough for torch to split it over threads
+    (torch's own float32 cos was 1 ulp off at angle 1.0, and a process's first call once put one
+    thread's half ~3e-5 off: a table that then moved every token of that process)."""
+    import math
+
+    from augury.models.config import RopeConfig
+    from augury.models.layers import Rotary, rope_inv_freq
+
+    rope = RopeConfig(theta=100000.0) if rope_type == "default" else RopeConfig(
+        theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=64)
+    length, hd = 8256, 64
+    table = Rotary(rope, hd, length)
+    inv = rope_inv_freq(rope, hd)
+    assert table.cos.dtype == table.sin.dtype == torch.float32 and table.cos.shape == (length, hd)
+    assert torch.equal(table.cos[:, : hd // 2], table.cos[:, hd // 2 :])
+    assert torch.equal(table.sin[:, : hd // 2], table.sin[:, hd // 2 :])
+    for pos in [0, 1, 2, 3, 17, 1000, length // 2 - 1, length // 2, 6000, length - 1]:
+        for j in range(hd // 2):
+            angle = float(torch.tensor(float(pos), dtype=torch.float32) * inv[j])  # the float32 product
+            want_cos = torch.tensor(math.cos(angle), dtype=torch.float64).float()
+            want_sin = torch.tensor(math.sin(angle), dtype=torch.float64).float()
+            assert table.cos[pos, j] == want_cos, (pos, j, angle)
+            assert table.sin[pos, j] == want_sin, (pos, j, angle)
