@@ -49,6 +49,26 @@ def test_it_settles_on_the_faster_count_and_rarely_tries_the_other(fast) -> None
     assert c.best(1) == fast and threads.bucket(1) == 1
 
 
+
+def test_trials_count_the_calls_that_ran_another_count_than_the_chosen_one() -> None:
+    """`trials` grows by one for every timed call whose count was not its bucket's chosen one when
+    picked (measuring a count at first, exploring later), and by nothing for the others."""
+    c = ThreadChoice(max_threads=lambda: 2)
+    clock = [0.0]
+    off = 0
+    for i in range(600):
+        best_before = c.best(1)
+        before = c.trials
+
+        def run(n: int) -> int:
+            clock[0] += 1.0 if n == 1 else 4.0
+            return n
+
+        n = c.timed(1, run, clock=lambda: clock[0])
+        assert c.trials - before == (n != best_before)
+        off += n != best_before
+    assert 0 < off == c.trials < 60
+
 def test_a_change_of_load_is_followed_within_a_few_hundred_calls() -> None:
     """2 threads win until call 1500, then a competitor makes 1 thread win (and back at 3000): the
     choice follows within 300 calls each time."""

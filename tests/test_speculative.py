@@ -436,3 +436,53 @@ def test_masked_fallback_for_trees_stays_greedy_exact(ckpts, monkeypatch):
     assert [o.token_ids for o in outs] == want
     assert built and all(len(s) == 2 for s in built)  # the masked path really ran, with tree masks
     _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "static"])
+def test_a_step_that_tried_another_thread_count_does_not_time_either_arm(ckpts, policy):
+    """A step during which a kernel call tried a thread count other than the chosen one (cpu/threads.py:
+    on a shared core two threads cost ~10x one) timed that try too: the policy is told of a plain step
+    only when no try happened inside it, and of a drafting step as untimed (its acceptance still counts)."""
+    from augury.cpu import threads as cpu_threads
+
+    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy=policy, log_stats_interval=0)
+    eng, spec = llm.engine, llm.engine.speculator
+    step = {"n": 0, "tried": False}
+    seen: list[tuple[str, bool, bool]] = []  # (arm, a try inside the step, timed)
+
+    def tries(fn):
+        def run(*a, **k):
+            step["n"] += 1
+            if step["n"] % 2:  # every other target forward tries another count
+                cpu_threads.choice().trials += 1
+                step["tried"] = True
+            return fn(*a, **k)
+        return run
+
+    eng._run_decode = tries(eng._run_decode)
+    eng.verify_forward = tries(eng.verify_forward)
+    observe, observe_plain = spec.policy.observe, spec.policy.observe_plain
+
+    def on_plain(batch, seconds):
+        seen.append(("plain", step["tried"], True))
+        return observe_plain(batch, seconds)
+
+    def on_spec(*a, timed=True, **k):
+        seen.append(("spec", step["tried"], timed))
+        return observe(*a, timed=timed, **k)
+
+    spec.policy.observe_plain, spec.policy.observe = on_plain, on_spec
+    orig_step = eng.step
+
+    def each_step():
+        step["tried"] = False
+        return orig_step()
+
+    eng.step = each_step
+    llm.generate(_prompts(4), _greedy([24] * 4))
+    assert seen, "the policy was told of no step"
+    assert not [s for s in seen if s[0] == "plain" and s[1]], "a plain step that tried a thread count was timed"
+    assert not [s for s in seen if s[0] == "spec" and s[1] and s[2]], "a drafting step with a try counted as timed"
+    if policy == "static":
+        assert any(s[0] == "spec" and not s[1] and s[2] for s in seen)  # the others still count

@@ -94,6 +94,7 @@ class ThreadChoice:
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
         self._last_key = 0  # the bucket of the last timed call
+        self.trials = 0  # timed calls that ran a count other than their bucket's chosen one (see trials())
         self._lock = threading.Lock()
 
     def _sync_arms(self) -> None:
@@ -137,6 +138,8 @@ class ThreadChoice:
                 b.interval = min(2 * b.interval, self.explore_max)
             else:
                 arm = b.best
+            if arm != b.best:
+                self.trials += 1
             self._last_key = bucket(rows)
             return arm
 
@@ -215,6 +218,13 @@ def scoped(threads: int):
         yield
     finally:
         _scope.threads = before
+
+
+def trials() -> int:
+    """How many timed calls so far ran a thread count other than their bucket's chosen one (measuring
+    or exploring it). A step timed for another purpose (the adaptive speculation policy's) during
+    which this grew also timed that try, which on a shared core can cost several times the step."""
+    return _choice.trials
 
 
 def current() -> int:

@@ -179,9 +179,11 @@ class Engine:
             else:
                 touched = batch.requests
                 if self.speculator is None or not self.speculator.step(self, batch.requests):
-                    t0 = clock(self.device)
+                    trials, t0 = self.thread_trials(), clock(self.device)
                     self._run_decode(batch)
-                    if self.speculator is not None:
+                    # a step that tried another thread count (cpu/threads.py) timed that try too: on a
+                    # shared core ~10x a step, which would make plain decoding look dear to the policy
+                    if self.speculator is not None and self.thread_trials() == trials:
                         self.speculator.observe_plain(len(batch.requests), clock(self.device) - t0)
         self.stats.maybe_log(self)
         return self._emit(touched)
@@ -241,6 +243,10 @@ class Engine:
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         return self.model.logits(hidden)
+
+    def thread_trials(self) -> int:
+        """cpu/threads.py's count of calls that tried a thread count other than the chosen one."""
+        return cpu_threads.trials() if self.device.type == "cpu" else 0
 
     def reserve(self, reqs: list[Request], lookahead: int) -> bool:
         """Cache room for `lookahead` tokens past each request's num_computed, within the positions

@@ -39,6 +39,11 @@ class TargetHost(Protocol):
 
     def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int: ...
 
+    def thread_trials(self) -> int:
+        """A counter that grows when a kernel call tries a thread count other than the chosen one
+        (cpu/threads.py): a step whose time includes such a try measured the try as well."""
+        ...
+
 
 class Proposer(Protocol):
     needs_aux: bool  # reads the target's aux-layer features (EAGLE-3)

@@ -96,6 +96,7 @@ class Speculator:
         # accepted, a prompt-lookup branch's tokens included, and one plain step between drafting ones,
         # the policy's exploration of plain decoding; or a new request among many)
         backlog = sum(r.num_computed - r.draft_len for r in sub) if self.needs_aux else 0
+        trials = host.thread_trials()
         t0 = clock(host.device)
         drafted = self.proposer.propose(host, sub, shape)
         tree = cap_trees(drafted, [caps[i] for i in drafting])
@@ -106,7 +107,8 @@ class Speculator:
         # the row sizes tell the policy what share of the whole shape's cost this step drafted
         if not self.warming:
             self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
-                                timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub),
+                                timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub)
+                                and host.thread_trials() == trials,  # no thread count tried inside
                                 offered=offered,
                                 reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
         host.stats.steps_spec += 1
