@@ -69,6 +69,32 @@ def test_trials_count_the_calls_that_ran_another_count_than_the_chosen_one() -> 
         off += n != best_before
     assert 0 < off == c.trials < 60
 
+
+def test_a_lucky_fast_call_of_a_losing_count_is_retried_once_without_restarting_its_gaps() -> None:
+    """On a core shared with a busy process two threads run ~10x one, but now and then fast. A fast
+    call is tried again at once (a change of load shows so); when that try is slow again the count
+    waits its grown gap (256 calls here), not the first one's (16 x its loss: 160 before)."""
+    c = ThreadChoice(max_threads=lambda: 2)
+    clock = [0.0]
+    twos: list[int] = []
+    lucky = [False]
+    for i in range(2500):
+        def run(n: int, i=i) -> int:
+            if n == 2:
+                twos.append(i)
+                fast = i > 1200 and not lucky[0]
+                lucky[0] = lucky[0] or fast
+                clock[0] += 0.5 if fast else 10.0
+            else:
+                clock[0] += 1.0
+            return n
+
+        c.timed(1, run, clock=lambda: clock[0])
+    f = next(i for i in twos if i > 1200)
+    after = [i for i in twos if i > f]
+    assert after[0] == f + 1  # tried again at once
+    assert after[1] - after[0] >= 250  # then its grown gap, not a fresh start
+
 def test_a_change_of_load_is_followed_within_a_few_hundred_calls() -> None:
     """2 threads win until call 1500, then a competitor makes 1 thread win (and back at 3000): the
     choice follows within 300 calls each time."""

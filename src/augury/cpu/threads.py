@@ -9,8 +9,8 @@ runs. So the fused stack's calls are timed, per row-count bucket, under each can
 process's torch thread count n, n / 2 and 1): the count with the lowest median time of its recent
 calls runs; the others are tried again now and then, every `interval` calls, the interval doubling
 (up to `explore_max`) while they keep losing, and tried again at once after a call that beat the
-current count's median (until their median settles the matter) and when the choice changes, so
-a change of load is noticed within a few hundred calls while a losing count costs at most
+current count's median (until their median settles the matter; its gaps after that try keep growing)
+and when the choice changes, so a change of load is noticed within a few hundred calls while a losing count costs at most
 1 / explore_max of the calls once settled (the gap before a try also grows by how much that count
 lost, up to explore_max: a dear count is tried less often early on). A count replaces the current one only when its median is
 lower by more than `margin` (hysteresis against noise). The kernels give the same bits with any
@@ -153,7 +153,8 @@ class ThreadChoice:
             if not all(self._measured(b, a) for a in b.times):
                 return
             if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
-                b.interval = self.explore_min  # a losing count ran faster: try it again at once
+                # a losing count ran faster: try it again at once (its gap after that try still grows: on
+                # a shared core a count can be fast now and then and ~10x slow otherwise)
                 b.next_explore = b.calls + 1
             best = min(b.times, key=b.median)
             if best != b.best and b.median(best) < (1.0 - self.margin) * b.median(b.best):
