@@ -162,6 +162,30 @@ def test_compiled_grammars_are_cached_and_bounded(plain):
     assert backend.compiler.cache_limit_bytes > 0  # xgrammar's LRU cache is bounded
 
 
+
+@pytest.mark.filterwarnings("ignore:The bitmask covers only")  # xgrammar says so for 97 and 160
+@pytest.mark.parametrize("width", [64, 90, 97, 160])
+def test_the_mask_sets_exactly_what_xgrammars_own_kernel_sets(plain, width):
+    """backend.apply_bitmask (torch on the CPU) against xgrammar's apply_token_bitmask_inplace on random
+    masks, several rows, every bit position (the sign bit too), logits narrower and wider than the
+    mask covers (tokens past its 32 x words stay as they were): the same values, bit for bit."""
+    import xgrammar as xgr
+
+    backend = plain.engine.grammar()
+    g = torch.Generator().manual_seed(width)
+    words = 3  # covers 96 tokens
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = -1  # everything allowed
+    bitmask[1] = 0  # nothing
+    bitmask[2, 1] = -2**31  # only the sign bit of a word
+    logits = torch.randn(4, width, generator=g)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask)
+    got = logits.clone()
+    backend.apply_bitmask(got, bitmask)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[1, : min(width, 96)]).all() and torch.equal(got[0], logits[0])
+
 # --------------------------------------------------------------------------- sampling under a mask
 
 def test_sampled_tokens_under_a_mask_follow_the_masked_distribution(ckpts, spec):

@@ -48,6 +48,7 @@ PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once tw
 STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
 MAX_SPACING = 1024  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
+FORCED_SEEN = 6  # timed steps of each kind before ForcedGate judges forced-only steps in a bucket
 
 
 def bucket_of(batch: int) -> int:
@@ -233,3 +234,53 @@ def trimmed_mean(xs: list[float]) -> float:
     xs = sorted(xs)
     cut = int(len(xs) * TRIM)
     return statistics.fmean(xs[cut: len(xs) - cut])
+
+
+class ForcedGate:
+    """Whether a grammar's forced tokens are verified alone (a step with no head drafts) or decoded one
+    per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a bucket decode plainly, timing that). A forced token costs a verification row: where
+    rows are memory-bound (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are
+    compute-bound (batch 16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves
+    nothing and its masks and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with
+    it). Once both kinds of step have FORCED_SEEN timed steps in a bucket, a forced step's goodput
+    (tokens committed over seconds, the window's sums) under plain decoding's (the batch over its
+    trimmed mean step) turns it off for a back-off (BASE_BACKOFF bucket steps, doubling to
+    MAX_BACKOFF while it keeps losing), after which it runs again and is measured afresh."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, deque[float]] = {}  # bucket -> plain step seconds
+        self.forced: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (tokens, seconds) of forced steps
+        self.steps: dict[int, int] = {}  # bucket -> steps seen (plain or forced)
+        self.off_until: dict[int, int] = {}
+        self.backoff: dict[int, int] = {}
+
+    def allowed(self, batch: int) -> bool:
+        """Forced-only steps may run for this batch now: plain decoding has been timed here (its first
+        FORCED_SEEN steps in a bucket decode plainly) and they are not backed off."""
+        k = bucket_of(batch)
+        if len(self.plain.get(k, ())) < FORCED_SEEN:
+            return False
+        return self.steps.get(k, 0) >= self.off_until.get(k, 0)
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        k = bucket_of(batch)
+        self.plain.setdefault(k, deque(maxlen=WINDOW)).append(seconds)
+        self.steps[k] = self.steps.get(k, 0) + 1
+
+    def observe_forced(self, batch: int, tokens: int, seconds: float) -> None:
+        k = bucket_of(batch)
+        self.steps[k] = self.steps.get(k, 0) + 1
+        window = self.forced.setdefault(k, deque(maxlen=FORCED_SEEN))
+        window.append((tokens, seconds))
+        plain = self.plain.get(k)
+        if len(window) < FORCED_SEEN or not plain or len(plain) < FORCED_SEEN:
+            return
+        forced_rate = sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
+        plain_rate = batch / max(trimmed_mean(list(plain)), 1e-12)
+        if forced_rate < plain_rate:
+            back = self.backoff.get(k, BASE_BACKOFF)
+            self.off_until[k] = self.steps[k] + back
+            self.backoff[k] = min(2 * back, MAX_BACKOFF)
+            window.clear()  # measured afresh when it runs again
+        else:
+            self.backoff[k] = BASE_BACKOFF

@@ -19,6 +19,7 @@ from augury.core.timing import clock
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import token_logprobs
+from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
@@ -50,6 +51,7 @@ class Speculator:
         # nor told (its measurements start clean)
         self.warming = warming
         self._warm_steps = 0
+        self.forced_gate = ForcedGate()  # forced-only steps where they pay (arms.py)
 
     def after_warmup(self, host: TargetHost) -> None:
         """The warm-up passed: from now on the policy decides, and every step it is told of counts."""
@@ -58,6 +60,7 @@ class Speculator:
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         if not self.warming:
             self.policy.observe_plain(batch_size, seconds)
+            self.forced_gate.observe_plain(batch_size, seconds)
 
     def step(self, host: TargetHost, reqs: list[Request]) -> bool:
         """Speculate for this decode batch; False means the caller should decode plainly.
@@ -84,7 +87,7 @@ class Speculator:
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
         lookahead = shape.num_draft_tokens + self.proposer.extra_nodes if shape is not None else 0
-        if shape is None and self._forced_only(host, reqs):
+        if shape is None and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs):
             return True
         if shape is None or not host.reserve(reqs, lookahead):
             host.stats.steps_plain += 1
@@ -126,6 +129,7 @@ class Speculator:
         verify those alone, as chains under the roots (every other row a plain decode row), instead of
         a plain decode step. They cost no draft forward and are all but always accepted. False (and
         nothing done) when no request's grammar forces anything, or the cache is short."""
+        trials, t0 = host.thread_trials(), clock(host.device)
         chains = []
         for r in reqs:
             own = r.params.max_draft_tokens
@@ -138,7 +142,9 @@ class Speculator:
         roots = DraftTree(torch.tensor([[r.last_token_id] for r in reqs]), torch.full((b, 1), -1),
                           torch.zeros(b, 1, dtype=torch.long))
         tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c in chains])
-        self.verify_and_commit(host, reqs, tree)
+        accepted, _, _ = self.verify_and_commit(host, reqs, tree)
+        if not self.warming and host.thread_trials() == trials:
+            self.forced_gate.observe_forced(b, b + sum(accepted), clock(host.device) - t0)
         host.stats.steps_spec += 1
         return True
 

