@@ -9,13 +9,13 @@ runs. So the fused stack's calls are timed, per row-count bucket, under each can
 process's torch thread count n, n / 2 and 1): the count with the lowest median time of its recent
 calls runs; the others are tried again now and then, every `interval` calls, the interval doubling
 (up to `explore_max`) while they keep losing, and tried again at once after a call that beat the
-current count's median (until their median settles the matter; its gaps after that try keep growing)
-and when the choice changes, so a change of load is noticed within a few hundred calls while a losing count costs at most
-1 / explore_max of the calls once settled (the gap before a try also grows by how much that count
-lost, up to explore_max: a dear count is tried less often early on). A count replaces the current one only when its median is
-lower by more than `margin` (hysteresis against noise). The kernels give the same bits with any
-thread count (threads split rows or columns, never one value's sum), so the choice changes speed
-only. torch's own thread setting, the process's, is never changed.
+current count's median (until their median settles the matter; its gaps after that try keep
+growing) and when the choice changes, so a change of load is noticed within a few hundred calls
+while a losing count costs at most 1 / explore_max of the calls once settled (the gap before a try
+also grows by how much that count lost, up to explore_max: a dear count is tried less often early
+on). A count replaces the current one only when its median is lower by more than `margin`
+(hysteresis against noise). The kernels give the same bits with any thread count (threads split
+rows or columns, never one value's sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
 `choice()` is the process's instance. A timed call runs its picked count (an exploring one included);
 every other call of augury's kernels runs `current()`: inside a `scoped(n)` block n, else the count

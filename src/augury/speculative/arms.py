@@ -237,15 +237,16 @@ def trimmed_mean(xs: list[float]) -> float:
 
 
 class ForcedGate:
-    """Whether a grammar's forced tokens are verified alone (a step with no head drafts) or decoded one
-    per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a bucket decode plainly, timing that). A forced token costs a verification row: where
-    rows are memory-bound (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are
-    compute-bound (batch 16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves
-    nothing and its masks and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with
-    it). Once both kinds of step have FORCED_SEEN timed steps in a bucket, a forced step's goodput
-    (tokens committed over seconds, the window's sums) under plain decoding's (the batch over its
-    trimmed mean step) turns it off for a back-off (BASE_BACKOFF bucket steps, doubling to
-    MAX_BACKOFF while it keeps losing), after which it runs again and is measured afresh."""
+    """Whether a grammar's forced tokens are verified alone (a step with no head drafts) or decoded
+    one per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a bucket decode
+    plainly, timing that). A forced token costs a verification row: where rows are memory-bound
+    (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are compute-bound (batch
+    16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves nothing and its masks
+    and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with it). Once both kinds of
+    step have FORCED_SEEN timed steps in a bucket, a forced step's goodput (tokens committed over
+    seconds, the window's sums) under plain decoding's (the batch over its trimmed mean step) turns
+    it off for a back-off (BASE_BACKOFF bucket steps, doubling to MAX_BACKOFF while it keeps
+    losing), after which it runs again and is measured afresh."""
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # bucket -> plain step seconds

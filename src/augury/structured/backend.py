@@ -123,9 +123,11 @@ class GrammarBackend:
 
         if self._shifts is None:
             self._shifts = torch.arange(32, dtype=torch.int32)
-        n = min(logits.shape[-1], bitmask.shape[-1] * 32)
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(bitmask.shape[0], -1)[:, :n]  # [R, n]
-        logits[:, :n].masked_fill_(allowed == 0, float("-inf"))
+        rows = logits.view(-1, logits.shape[-1])  # a lone [V] row as [1, V]
+        words = bitmask.view(-1, bitmask.shape[-1])
+        n = min(rows.shape[-1], words.shape[-1] * 32)
+        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).view(words.shape[0], -1)[:, :n]  # [R, n]
+        rows[:, :n].masked_fill_(allowed == 0, float("-inf"))
 
     @property
     def cache_bytes(self) -> int:
