@@ -15,7 +15,8 @@ while a losing count costs at most 1 / explore_max of the calls once settled (th
 also grows by how much that count lost, up to explore_max: a dear count is tried less often early
 on). A count replaces the current one only when its median is lower by more than `margin`
 (hysteresis against noise). The kernels give the same bits with any thread count (threads split
-rows or columns, never one value's sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
+rows or columns, never one value's sum), so the choice changes speed only. torch's own thread
+setting, the process's, is never changed.
 
 `choice()` is the process's instance. A timed call runs its picked count (an exploring one included);
 every other call of augury's kernels runs `current()`: inside a `scoped(n)` block n, else the count
