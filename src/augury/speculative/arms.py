@@ -46,6 +46,7 @@ TRY_BUDGET = 0.02  # plain steps of credit each bucket step adds for optimistic 
 TRY_CAP = 3.0  # ... up to this many (a fresh bucket starts full)
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
 STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
+COLD_BUDGET = 0.1  # ... or more, so that even a first probe costs at most this share of the steps until the next
 MAX_SPACING = 1024  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
 FORCED_SEEN = 6  # timed steps of each kind before ForcedGate judges forced-only steps in a bucket
@@ -178,9 +179,12 @@ class Bucket:
         """Speculation lost here (a probe, the guard, the prediction): try again after the back-off,
         doubled, or later where a probe costs more than EXPLORE_BUDGET of the steps between (a
         drafting step at several times a plain step's cost is probed that much more rarely; after a
-        bucket's first probe, whose steps may have run cold, at most STRETCH back-offs later)."""
+        bucket's first probe, whose steps may have run cold, at most STRETCH back-offs later, or as
+        much later as keeps that probe under COLD_BUDGET of the steps between)."""
         spent = max(self.probe_spent, PROBE_COST * (self.cost_ratio() - 1.0))  # in plain steps
-        cap = STRETCH * self.backoff if self.probes < 2 else MAX_SPACING  # a first probe may have run cold
+        # a first probe may have run cold: tried again sooner than the budget says, but not so soon that
+        # a dear one (at batch 48 on an AMX Xeon, ~36 plain steps with its catch-up) costs over COLD_BUDGET
+        cap = max(STRETCH * self.backoff, math.ceil(spent / COLD_BUDGET)) if self.probes < 2 else MAX_SPACING
         stretch = min(math.ceil(spent / EXPLORE_BUDGET), cap)
         self.probe_at = self.steps + max(self.backoff, stretch)
         self.backoff = min(2 * self.backoff, MAX_BACKOFF)
