@@ -129,6 +129,8 @@ class Speculator:
         verify those alone, as chains under the roots (every other row a plain decode row), instead of
         a plain decode step. They cost no draft forward and are all but always accepted. False (and
         nothing done) when no request's grammar forces anything, or the cache is short."""
+        if not any(r.shaper is not None and r.shaper.has_grammar for r in reqs):
+            return False  # no grammar: nothing to time (the clock waits for the device on CUDA)
         trials, t0 = host.thread_trials(), clock(host.device)
         chains = []
         for r in reqs:
