@@ -458,3 +458,30 @@ def test_a_dear_first_probe_is_not_repeated_within_ten_times_its_cost(spent, gap
     b.probes, b.probe_spent, b.steps = 1, spent, 100
     b.lost()
     assert b.probe_at - 100 == gap
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_change_of_thread_count_has_plain_decoding_measured_afresh(told) -> None:
+    """Plain steps timed while the kernels still ran two threads on a core shared with a busy process
+    (12 ms) make drafting (11.6 ms a step, one draft accepted) look good; the kernels then settle on
+    one thread, where a plain step takes 4 ms and drafting loses. Told of the change (costs_changed),
+    the policy times plain decoding again before deciding: it drafts for no more than a probe's
+    steps. Not told, it drafts on for most of the run (plain decoding is timed once in EXPLORE_EVERY
+    steps while speculating, and the slow steps outvote those)."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    teach_times(policy, 1, 0.012, {})
+    if told:
+        policy.costs_changed()
+    drafted = 0
+    for _ in range(400):
+        shape = policy.choose(1)
+        if shape is None:
+            policy.observe(1, None, 0.004, [])
+        else:
+            drafted += 1
+            policy.observe(1, shape, 0.0116, [1], sizes=[shape.num_draft_tokens])
+    if told:
+        assert drafted <= 8 and policy.choose(1) is None
+    else:
+        assert drafted > 100

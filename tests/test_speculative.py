@@ -486,3 +486,39 @@ def test_a_step_that_tried_another_thread_count_does_not_time_either_arm(ckpts, 
     assert not [s for s in seen if s[0] == "spec" and s[1] and s[2]], "a drafting step with a try counted as timed"
     if policy == "static":
         assert any(s[0] == "spec" and not s[1] and s[2] for s in seen)  # the others still count
+
+
+def test_a_change_of_the_thread_count_has_the_policy_measure_afresh(ckpts):
+    """When the kernels' chosen thread count changes (cpu/threads.py), every step time measured so far
+    ran at another speed: the speculator tells the policy once, before its next step, and the policy's
+    buckets time plain decoding again (their plain windows start empty); output is unchanged."""
+    from augury.cpu import threads as cpu_threads
+
+    llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              log_stats_interval=0)
+    eng, spec = llm.engine, llm.engine.speculator
+    want = [o.token_ids for o in llm.generate(_prompts(3), _greedy([20] * 3))]
+    told: list[int] = []
+    costs_changed = spec.policy.costs_changed
+
+    def on_change():
+        told.append(eng.stats.steps_plain + eng.stats.steps_spec)
+        plain = [bk.arm(0) for bk in spec.policy.buckets.values()]
+        assert plain and any(a.recent for a in plain)  # measured before ...
+        costs_changed()
+        assert all(not a.recent and a.seconds() is None for a in plain)  # ... and afresh after
+
+    spec.policy.costs_changed = on_change
+    cpu_threads.choice().changes += 1
+    orig_step, n = eng.step, {"steps": 0}
+
+    def each_step():
+        n["steps"] += 1
+        if n["steps"] == 12:
+            cpu_threads.choice().changes += 1
+        return orig_step()
+
+    eng.step = each_step
+    got = [o.token_ids for o in llm.generate(_prompts(3), _greedy([20] * 3))]
+    assert got == want
+    assert len(told) == 2 and told[0] < told[1]

@@ -12,8 +12,9 @@ calls runs; the others are tried again now and then, every `interval` calls, the
 current count's median (until their median settles the matter; its gaps after that try keep
 growing) and when the choice changes, so a change of load is noticed within a few hundred calls
 while a losing count costs at most 1 / explore_max of the calls once settled (the gap before a try
-also grows by how much that count lost, up to explore_max: a dear count is tried less often early
-on). A count replaces the current one only when its median is lower by more than `margin`
+also grows by how much that count lost, up to explore_max, or further where a try costs so much
+that its share of the time would pass TRY_SHARE: a dear count is tried less often). A new bucket
+starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the current one only when its median is lower by more than `margin`
 (hysteresis against noise). The kernels give the same bits with any thread count (threads split
 rows or columns, never one value's sum), so the choice changes speed only. torch's own thread
 setting, the process's, is never changed.
@@ -60,6 +61,7 @@ def torch_outer(n: int):
 
 
 CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
+TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see pick)
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -80,6 +82,7 @@ class _Bucket:
         self.interval = explore_min
         self.next_explore = explore_min
         self.turn = 0  # which losing count the next exploration tries
+        self.assumed: set[int] = set()  # counts taken as losing from a neighbour bucket (see ThreadChoice._bucket)
 
     def median(self, arm: int) -> float:
         return statistics.median(self.times[arm]) if self.times[arm] else float("inf")
@@ -95,7 +98,9 @@ class ThreadChoice:
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
         self._last_key = 0  # the bucket of the last timed call
-        self.trials = 0  # timed calls that ran a count other than their bucket's chosen one (see trials())
+        self.trials = 0  # timed calls that ran a count other than their bucket's chosen one, or while
+        #                  their bucket's counts were still being measured (see trials())
+        self.changes = 0  # times a bucket's chosen count changed (see changes())
         self._lock = threading.Lock()
 
     def _sync_arms(self) -> None:
@@ -104,17 +109,37 @@ class ThreadChoice:
             self._arms, self._buckets = arms, {}
 
     def _bucket(self, rows: int) -> _Bucket:
+        """The bucket of `rows`, made on first use. A new bucket next to one whose counts are all
+        measured starts as that one stands: its chosen count, and the counts that lose there by more
+        than CLEAR_LOSS taken as losing here too (not measured first, only explored on the usual
+        growing gaps; a call of theirs that runs fast is tried again at once). The machine's load
+        shows in every bucket alike: on a core shared with a busy process two threads ran the demo's
+        stack at 25-35 ms a call in every bucket against 2.6-10 ms for one, and measuring them first
+        in the buckets drafting's verification alone uses cost ~100 ms a drafting step."""
         self._sync_arms()
         key = bucket(rows)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(self._arms, self.window, self.explore_min)
+            b = self._buckets[key] = _Bucket(self._arms, self.window, self.explore_min)
+            near = self._nearest_settled(key)
+            if near is not None:
+                b.best = near.best
+                b.assumed = {a for a in near.times if a != near.best and self._measured(near, a)
+                             and near.median(a) > CLEAR_LOSS * near.median(near.best)}
         return self._buckets[key]
+
+    def _nearest_settled(self, key: int) -> _Bucket | None:
+        """The bucket nearest `key` (the one below on a tie) whose every count has its own times."""
+        done = [k for k, b in self._buckets.items() if k != key and all(b.times[a] for a in b.times)
+                and all(self._measured(b, a) for a in b.times)]
+        if not done:
+            return None
+        return self._buckets[min(done, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))]
 
     def _measured(self, b: _Bucket, arm: int) -> bool:
         """arm has min_samples times, or fewer that all lose by more than CLEAR_LOSS to a count that has
         them (no noise makes that up: a count 7x slower need not be timed three times to know)."""
         t = b.times[arm]
-        if len(t) >= self.min_samples:
+        if len(t) >= self.min_samples or (arm in b.assumed and not t):
             return True
         done = [b.median(a) for a in b.times if a != arm and len(b.times[a]) >= self.min_samples]
         return bool(t) and bool(done) and min(t) > CLEAR_LOSS * min(done)
@@ -124,23 +149,24 @@ class ThreadChoice:
         with self._lock:
             b = self._bucket(rows)
             b.calls += 1
+            short = [a for a in b.times if not self._measured(b, a)] if len(b.times) > 1 else []
             if len(b.times) == 1:
                 arm = b.best
-            elif (short := [a for a in b.times if not self._measured(b, a)]):
-                arm = short[b.calls % len(short)]  # every count measured a few times first
+            elif short:  # every count measured a few times first: each once, then the fastest so far
+                #          (a count that loses by CLEAR_LOSS then needs no second call: on a shared
+                #          core each call of two threads cost ~30 ms against 2.5 for one)
+                unseen = [a for a in short if not b.times[a]]
+                arm = unseen[0] if unseen else min(short, key=b.median)
             elif b.calls >= b.next_explore:
                 others = [a for a in b.times if a != b.best]
                 arm = others[b.turn % len(others)]
                 b.turn += 1
-                # a count that loses by r costs r - 1 calls' time each try: the gap grows by r (a busy
-                # process on a shared core made 2 threads ~7x slower than 1), never past explore_max
-                loss = b.median(arm) / max(b.median(b.best), 1e-12)
-                b.next_explore = b.calls + min(int(b.interval * min(max(loss, 1.0), 16.0)), self.explore_max)
+                b.next_explore = b.calls + self._gap(b, arm)
                 b.interval = min(2 * b.interval, self.explore_max)
             else:
                 arm = b.best
-            if arm != b.best:
-                self.trials += 1
+            if arm != b.best or (short and not b.assumed):  # (the chosen count may lose once the others
+                self.trials += 1                            # are measured, unless a neighbour has shown it)
             self._last_key = bucket(rows)
             return arm
 
@@ -159,9 +185,19 @@ class ThreadChoice:
                 b.next_explore = b.calls + 1
             best = min(b.times, key=b.median)
             if best != b.best and b.median(best) < (1.0 - self.margin) * b.median(b.best):
-                b.best = best
-                b.interval = self.explore_min  # a change of load: look again soon
-                b.next_explore = b.calls + b.interval
+                old, b.best = b.best, best
+                self.changes += 1
+                b.interval = self.explore_min  # a change of load: look again soon (a count that lost
+                b.next_explore = b.calls + self._gap(b, old)  # by far, a little later: see _gap)
+
+    def _gap(self, b: _Bucket, arm: int) -> int:
+        """Calls before `arm`, which loses in bucket b, is tried again: a count that loses by r costs
+        r - 1 calls' time each try, so the gap grows by r (a busy process on a shared core made 2
+        threads ~12x slower than 1), up to explore_max, or as far as keeps its tries under TRY_SHARE
+        of the time."""
+        loss = min(max(b.median(arm) / max(b.median(b.best), 1e-12), 1.0), 64.0)
+        most = max(self.explore_max, int((loss - 1.0) / TRY_SHARE))
+        return min(int(b.interval * min(loss, 16.0)), most)
 
     def best(self, rows: int) -> int:
         """The count chosen now for `rows` rows (no exploration)."""
@@ -224,9 +260,17 @@ def scoped(threads: int):
 
 def trials() -> int:
     """How many timed calls so far ran a thread count other than their bucket's chosen one (measuring
-    or exploring it). A step timed for another purpose (the adaptive speculation policy's) during
-    which this grew also timed that try, which on a shared core can cost several times the step."""
+    or exploring it), or ran while their bucket's counts were still being measured. A step timed for
+    another purpose (the adaptive speculation policy's) during which this grew also timed that try,
+    which on a shared core can cost several times the step (the first calls of a bucket run torch's
+    count, two threads, before one thread is known to be ~3x faster there)."""
     return _choice.trials
+
+
+def changes() -> int:
+    """How many times a bucket's chosen count has changed: every step timed before a change ran at
+    another speed (the adaptive speculation policy measures its arms afresh)."""
+    return _choice.changes
 
 
 def current() -> int:

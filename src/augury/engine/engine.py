@@ -248,6 +248,10 @@ class Engine:
         """cpu/threads.py's count of calls that tried a thread count other than the chosen one."""
         return cpu_threads.trials() if self.device.type == "cpu" else 0
 
+    def thread_changes(self) -> int:
+        """cpu/threads.py's count of changes of the chosen thread count."""
+        return cpu_threads.changes() if self.device.type == "cpu" else 0
+
     def reserve(self, reqs: list[Request], lookahead: int) -> bool:
         """Cache room for `lookahead` tokens past each request's num_computed, within the positions
         the model computes; False (nothing preempted, nothing reserved) when it is short."""

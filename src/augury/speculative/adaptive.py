@@ -469,6 +469,12 @@ class AdaptivePolicy(Acceptance):
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         self.observe(batch_size, None, seconds, [])
 
+    def costs_changed(self) -> None:
+        """The kernels' thread count changed: every bucket measures its step times afresh
+        (arms.Bucket.remeasure); acceptance, back-offs and probes due stand."""
+        for bk in self.buckets.values():
+            bk.remeasure()
+
 def _extra(t0: float, td: float) -> float:
     """Drafting's measured extra over a plain step, at least (LEAST_DRAFT_COST - 1) x a plain step: two
     noisy figures a little apart must not make drafting look free (every row would then draft)."""

@@ -153,6 +153,23 @@ class Bucket:
             out.append(v)
         return out
 
+    def remeasure(self) -> None:
+        """Every step time here ran at another speed (the kernels' thread count changed; at first
+        two threads on a core shared with a busy process, ~3x one thread's step): plain decoding is
+        measured again before anything is decided from it (its next MIN_SEEN steps decode plainly,
+        a speculating bucket's included: otherwise only every EXPLORE_EVERY-th step would refresh
+        it, and a window of plain steps from the slow count makes drafting look good); a drafting
+        arm that runs now (speculation on) replaces its window as it runs; the guard starts over."""
+        zero = self.arm(0)
+        zero.recent.clear()
+        zero.fresh, zero.least = None, MIN_SEEN
+        for depth, a in self.arms.items():
+            if depth and self.on and a.fresh is None:
+                a.fresh = []
+        self.real.clear()
+        self.unjudged = 0
+        self.quiet = None
+
     def start_probe(self, depth: int) -> None:
         self.probe, self.probe_left, self.probe_spent = depth, PROBE_STEPS, 0.0
         self.probes += 1
@@ -266,6 +283,12 @@ class ForcedGate:
         if len(self.plain.get(k, ())) < FORCED_SEEN:
             return False
         return self.steps.get(k, 0) >= self.off_until.get(k, 0)
+
+    def costs_changed(self) -> None:
+        """Step times measured so far ran at another speed: both kinds are timed afresh (plain first)."""
+        self.plain.clear()
+        for window in self.forced.values():
+            window.clear()
 
     def observe_plain(self, batch: int, seconds: float) -> None:
         k = bucket_of(batch)

@@ -44,6 +44,11 @@ class TargetHost(Protocol):
         (cpu/threads.py): a step whose time includes such a try measured the try as well."""
         ...
 
+    def thread_changes(self) -> int:
+        """A counter that grows when the kernels' chosen thread count changes (cpu/threads.py): steps
+        timed before it ran at another speed."""
+        ...
+
 
 class Proposer(Protocol):
     needs_aux: bool  # reads the target's aux-layer features (EAGLE-3)
@@ -80,4 +85,9 @@ class SpeculationPolicy(Protocol):
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """The time a plain decode step of this batch size took (the engine times it)."""
+        ...
+
+    def costs_changed(self) -> None:
+        """Every step timed so far ran at another speed (the kernels' thread count changed): what was
+        measured of step times is to be measured afresh (acceptance stands)."""
         ...

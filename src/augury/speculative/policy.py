@@ -68,3 +68,6 @@ class StaticPolicy:
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """Feedback after a plain decode step (nothing to learn here)."""
+
+    def costs_changed(self) -> None:
+        """Step times measured so far no longer hold (nothing measured here)."""

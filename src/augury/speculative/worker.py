@@ -52,6 +52,7 @@ class Speculator:
         self.warming = warming
         self._warm_steps = 0
         self.forced_gate = ForcedGate()  # forced-only steps where they pay (arms.py)
+        self._thread_changes = 0  # the host's count of thread-count changes when last seen
 
     def after_warmup(self, host: TargetHost) -> None:
         """The warm-up passed: from now on the policy decides, and every step it is told of counts."""
@@ -72,7 +73,16 @@ class Speculator:
         tree.cap_trees). A request whose head has no target feature to start from (admitted with all
         but its last token from the prefix cache, which its first decode step computes) does not
         draft this step. A batch where no request may draft decodes plainly without asking the
-        policy; one where the plan lets none draft decodes plainly too."""
+        policy; one where the plan lets none draft decodes plainly too.
+
+        When the kernels' chosen thread count has changed since the last step (cpu/threads.py: a
+        busy process took a core, or left it), every step time measured so far ran at another speed:
+        the policy and the forced-token gate measure afresh."""
+        changes = host.thread_changes()
+        if changes != self._thread_changes:
+            self._thread_changes = changes
+            self.policy.costs_changed()
+            self.forced_gate.costs_changed()
         if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
             caps: list[int | None] = [0] * len(reqs)
             shape = None
