@@ -98,8 +98,7 @@ class ThreadChoice:
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
         self._last_key = 0  # the bucket of the last timed call
-        self.trials = 0  # timed calls that ran a count other than their bucket's chosen one, or while
-        #                  their bucket's counts were still being measured (see trials())
+        self.trials = 0  # timed calls that ran a count other than their bucket's chosen one (see trials())
         self.changes = 0  # times a bucket's chosen count changed (see changes())
         self._lock = threading.Lock()
 
@@ -165,8 +164,8 @@ class ThreadChoice:
                 b.interval = min(2 * b.interval, self.explore_max)
             else:
                 arm = b.best
-            if arm != b.best or (short and not b.assumed):  # (the chosen count may lose once the others
-                self.trials += 1                            # are measured, unless a neighbour has shown it)
+            if arm != b.best:
+                self.trials += 1
             self._last_key = bucket(rows)
             return arm
 
@@ -260,10 +259,12 @@ def scoped(threads: int):
 
 def trials() -> int:
     """How many timed calls so far ran a thread count other than their bucket's chosen one (measuring
-    or exploring it), or ran while their bucket's counts were still being measured. A step timed for
-    another purpose (the adaptive speculation policy's) during which this grew also timed that try,
-    which on a shared core can cost several times the step (the first calls of a bucket run torch's
-    count, two threads, before one thread is known to be ~3x faster there)."""
+    or exploring it). A step timed for another purpose (the adaptive speculation policy's) during
+    which this grew also timed that try, which on a shared core can cost several times the step.
+    (Calls of the chosen count while the others are still measured are not counted: a drafting probe
+    whose steps were all such calls, in the new 1024-row bucket of a batch of 48, could not be timed,
+    so it ran its whole length at ~14 plain steps a step; a chosen count found to lose is a change,
+    see changes().)"""
     return _choice.trials
 
 
