@@ -14,10 +14,10 @@ growing) and when the choice changes, so a change of load is noticed within a fe
 while a losing count costs at most 1 / explore_max of the calls once settled (the gap before a try
 also grows by how much that count lost, up to explore_max, or further where a try costs so much
 that its share of the time would pass TRY_SHARE: a dear count is tried less often). A new bucket
-starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the current one only when its median is lower by more than `margin`
-(hysteresis against noise). The kernels give the same bits with any thread count (threads split
-rows or columns, never one value's sum), so the choice changes speed only. torch's own thread
-setting, the process's, is never changed.
+starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the
+current one only when its median is lower by more than `margin` (hysteresis against noise). The
+kernels give the same bits with any thread count (threads split rows or columns, never one value's
+sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
 `choice()` is the process's instance. A timed call runs its picked count (an exploring one included);
 every other call of augury's kernels runs `current()`: inside a `scoped(n)` block n, else the count
@@ -61,7 +61,7 @@ def torch_outer(n: int):
 
 
 CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
-TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see pick)
+TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see _gap)
 
 
 def candidates(n: int) -> tuple[int, ...]:
