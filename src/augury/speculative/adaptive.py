@@ -475,6 +475,7 @@ class AdaptivePolicy(Acceptance):
         for bk in self.buckets.values():
             bk.remeasure()
 
+
 def _extra(t0: float, td: float) -> float:
     """Drafting's measured extra over a plain step, at least (LEAST_DRAFT_COST - 1) x a plain step: two
     noisy figures a little apart must not make drafting look free (every row would then draft)."""
