@@ -23,6 +23,26 @@ def _tree(tokens: list[list[int]], parents: list[list[int]]) -> DraftTree:
 
 # ------------------------------------------------------------------------------------------ greedy
 
+def test_argmax_ids_is_torchs_argmax() -> None:
+    """The greedy token plain decoding and verification both take (sampling.argmax_ids, numpy's argmax
+    on the CPU): torch.argmax's answer on random rows, on ties (the first maximal index), on masked rows
+    (-inf but for a few tokens, and all -inf), on a strided view, and for bfloat16 (torch's own)."""
+    from augury.sampling import argmax_ids
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 49152, generator=g)
+    x[1, [10, 30000, 49151]] = 50.0  # a tie: the first
+    x[2] = float("-inf")
+    x[2, [4000, 123]] = torch.tensor([1.5, 1.5])
+    x[3] = float("-inf")
+    x[4, -1] = 99.0
+    for t in (x, x[:, ::2], x[5], x.to(torch.bfloat16)):
+        want = t.argmax(dim=-1).tolist()
+        assert argmax_ids(t) == want
+    assert argmax_ids(x)[1] == 10 and argmax_ids(x)[2] == 123 and argmax_ids(x)[4] == 49151
+
+
+
 def test_greedy_hand_made() -> None:
     #  root(0) -> 3 (1), 4 (2);  3 -> 1 (3), 2 (4);  4 -> 0 (5)
     tree = _tree([[9, 3, 4, 1, 2, 0]] * 3, [[-1, 0, 0, 1, 1, 2]] * 3)

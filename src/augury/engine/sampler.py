@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.core.request import Request
-from augury.sampling import apply_sampling_filters, draw_rows
+from augury.sampling import apply_sampling_filters, argmax_ids, draw_rows
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -17,7 +17,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         logits = logits.clone()
         for i in shaped:
             requests[i].shaper.apply(logits[i])
-    out = logits.argmax(dim=-1).tolist()
+    out = argmax_ids(logits)
     rows = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]
     for i in rows:
         req, p = requests[i], requests[i].params

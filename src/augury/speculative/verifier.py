@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import LogitsShaper, apply_sampling_filters, draw_rows
+from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows
 from augury.speculative.tree import DraftTree
 
 
@@ -118,7 +118,7 @@ def _result(res: dict[int, tuple[list[int], int]], batch: int) -> VerifyResult:
 
 def _greedy_step(active: list[int], kid_toks: list[list[int]], logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Accept the first child whose token is the target's argmax; else the argmax is the bonus."""
-    want = logits.argmax(dim=-1).tolist()  # [A]
+    want = argmax_ids(logits)  # [A]
     return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
 
 
