@@ -218,9 +218,9 @@ class Speculator:
     def _real_node_logits(host: TargetHost, hidden: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         """hidden [B, N, H] -> logits [B, N, V] of every real node; padding nodes (past a row's size,
         never read by the verifier) stay zero and cost no output-layer rows."""
-        if tree.sizes is None:
-            return host.target_logits(hidden)
         n, dev = tree.num_nodes, hidden.device
+        if tree.sizes is None or all(s == n for s in tree.sizes):  # no padding (a lone request's chain)
+            return host.target_logits(hidden)
         real = torch.arange(n, device=dev)[None, :] < torch.tensor(tree.sizes, device=dev)[:, None]  # [B, N]
         real_logits = host.target_logits(hidden[real])  # [T, V]
         logits = real_logits.new_zeros(*real.shape, real_logits.shape[-1])
