@@ -295,6 +295,45 @@ def test_a_shaper_pops_back_to_its_committed_state(plain):
     assert torch.isinf(before).sum() > 0  # the grammar masks
 
 
+def test_a_shapers_greedy_token_is_the_argmax_of_its_shaped_row(plain):
+    """RequestShaper.greedy (the sampler's and the verifier's greedy rows) against argmax_ids of apply:
+    the same token where the grammar allows the unmasked argmax (no mask applied) and where it does
+    not, on ties (the first index), a NaN row, past the grammar's end, with penalties and a bias."""
+    from augury.sampling import argmax_ids
+    from augury.structured import make_shaper
+
+    eng = plain.engine
+    tok, v = eng.tokenizer, eng.model_cfg.vocab_size
+    params = SamplingParams(repetition_penalty=1.3, logit_bias={7: 2.0},
+                            structured_outputs=SO(regex="[a-z]{1,3}(-[a-z]{1,3}){0,2}"))
+    sh = make_shaper(params, PROMPTS[0], vocab_size=v, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    g = torch.Generator().manual_seed(5)
+    allowed = sh.apply(torch.zeros(v)).isfinite().nonzero().flatten()
+    refused = sh.apply(torch.zeros(v)).isinf().nonzero().flatten()
+    cases = []
+    for _ in range(20):
+        cases.append(torch.randn(v, generator=g))
+    top_ok = torch.randn(v, generator=g)
+    top_ok[allowed[3]] = 50.0  # the unmasked argmax is allowed: no mask applied
+    top_no = torch.randn(v, generator=g)
+    top_no[refused[5]] = 50.0  # ... refused: masked, then the argmax
+    tie = torch.zeros(v)
+    tie[allowed[2]] = tie[allowed[1]] = 9.0  # two allowed maxima: the first index
+    tie[refused[0]] = 9.0 if refused[0] < allowed[1] else 0.0  # a refused one before them
+    nan = torch.randn(v, generator=g)
+    nan[allowed[4]] = float("nan")
+    cases += [top_ok, top_no, tie, nan]
+    applied = sh.stats.masked_tokens
+    for text in ("", "ab", "ab-c", "ab-cd-efg"):  # the last one ends the grammar
+        for t in tok.encode(text, add_special_tokens=False) if text else []:
+            sh.push(t)
+        for row in cases:
+            want = argmax_ids(sh.apply(row.clone()).view(1, -1))[0]
+            assert sh.greedy(row.clone()) == want, text
+        sh.pop_all()
+    assert sh.stats.masked_tokens > applied
+
+
 def test_the_grammar_prunes_drafts_and_drafts_forced_tokens(plain):
     from augury.speculative.tree import DraftTree, depth_from_parents, rebuild_rows
     from augury.structured import make_shaper

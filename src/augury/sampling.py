@@ -36,6 +36,11 @@ class LogitsShaper(Protocol):
         """logits [V] float32 at the current state -> the shaped logits (in place; pass a copy)."""
         ...
 
+    def greedy(self, logits: torch.Tensor) -> int:
+        """argmax_ids of apply(logits) (in place; pass a copy), the first index on ties: the greedy
+        token at the current state."""
+        ...
+
     def push(self, token: int) -> None:
         """A verification walk accepted `token` past the current state (undone by pop_all)."""
         ...

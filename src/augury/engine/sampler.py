@@ -13,11 +13,17 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     request's shaper (penalties, logit bias, bad words, a grammar's mask) shapes a copy of its row
     first; `logits` itself is left raw (log-probabilities read it)."""
     shaped = [i for i, req in enumerate(requests) if req.shaper is not None]
+    picked: dict[int, int] = {}  # greedy shaped rows: their token (LogitsShaper.greedy)
     if shaped:
         logits = logits.clone()
         for i in shaped:
-            requests[i].shaper.apply(logits[i])
-    out = argmax_ids(logits)
+            if requests[i].params.temperature == 0.0:
+                picked[i] = requests[i].shaper.greedy(logits[i])
+            else:
+                requests[i].shaper.apply(logits[i])
+    out = argmax_ids(logits) if len(picked) < len(requests) else [0] * len(requests)
+    for i, tok in picked.items():
+        out[i] = tok
     rows = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]
     for i in rows:
         req, p = requests[i], requests[i].params

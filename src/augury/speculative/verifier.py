@@ -122,6 +122,18 @@ def _greedy_step(active: list[int], kid_toks: list[list[int]], logits: torch.Ten
     return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
 
 
+def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
+    """_greedy_step over raw rows, a shaped request's argmax taken by its shaper (LogitsShaper.greedy:
+    the argmax of its shaped row, on a copy)."""
+    def step(active: list[int], kid_toks: list[list[int]], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        own = [a for a, b in enumerate(active) if shapers[b] is not None]
+        want = argmax_ids(logits) if len(own) < len(active) else [0] * len(active)
+        for a in own:
+            want[a] = shapers[active[a]].greedy(logits[a].to(torch.float32, copy=True))
+        return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
+    return step
+
+
 # --------------------------------------------------------------------------------------- sampling
 
 def _uniform_at(uniforms: Sequence[Sequence[float]], row: int, level: int) -> float:
@@ -177,13 +189,16 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
     if shapers is not None and all(s is None for s in shapers):
         shapers = None
     min_ps = list(min_ps) if min_ps is not None else [0.0] * b_all
-    at = _rows_at(target_logits)
+    raw = at = _rows_at(target_logits)
     if shapers is not None:
         at = _shaped(at, shapers)
     greedy = [b for b in range(b_all) if temperatures[b] == 0]
     sampled = [b for b in range(b_all) if temperatures[b] != 0]
     try:
-        res = _walk(tree, greedy, at, _greedy_step, shapers) if greedy else {}
+        if shapers is None:
+            res = _walk(tree, greedy, raw, _greedy_step) if greedy else {}
+        else:
+            res = _walk(tree, greedy, raw, _greedy_shaped_step(shapers), shapers) if greedy else {}
         if sampled:
             def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
                 return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs], [top_ks[b] for b in bs],

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from augury.sampling import argmax_ids
 from augury.sampling_params import SamplingParams
 from augury.structured.backend import GrammarBackend, ShapingStats
 
@@ -45,6 +46,7 @@ class RequestShaper:
         self.has_grammar = matcher is not None
         self.stats = stats or ShapingStats()
         self._bitmask = backend.new_bitmask(1) if backend is not None and matcher is not None else None
+        self._bits = self._bitmask.numpy() if self._bitmask is not None else None  # the same memory
         p = params
         self.presence, self.frequency, self.repetition = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         self.counts: torch.Tensor | None = None  # [V] float32: output tokens so far (committed + pushed)
@@ -71,6 +73,43 @@ class RequestShaper:
     # ----------------------------------------------------------------- shaping
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] float32 (in place) -> shaped for the next token at the current state."""
+        self._shape(logits)
+        if self._grammar_live():
+            t0 = time.perf_counter()
+            if self.matcher.fill_next_token_bitmask(self._bitmask):
+                self.backend.apply_bitmask(logits.view(1, -1), self._bitmask)
+            self.stats.mask_seconds += time.perf_counter() - t0
+            self.stats.masked_tokens += 1
+        return logits
+
+    def greedy(self, logits: torch.Tensor) -> int:
+        """The greedy token of apply(logits) (logits [V] float32, shaped in place), the first index on
+        ties, without masking the row where the grammar allows its unmasked argmax: that token is then
+        the masked row's first largest value too (every earlier index is smaller, masked or not). The
+        mask is filled all the same (~7 us; applying it, ~40-70 us at 49,152 tokens, is what this
+        saves)."""
+        self._shape(logits)
+        tok = argmax_ids(logits.view(1, -1))[0]
+        if not self._grammar_live():
+            return tok
+        t0 = time.perf_counter()
+        if self.matcher.fill_next_token_bitmask(self._bitmask) and not self._allows(tok):
+            self.backend.apply_bitmask(logits.view(1, -1), self._bitmask)
+            tok = argmax_ids(logits.view(1, -1))[0]
+        self.stats.mask_seconds += time.perf_counter() - t0
+        self.stats.masked_tokens += 1
+        return tok
+
+    def _allows(self, token: int) -> bool:
+        """Whether the filled bitmask allows `token` (bit token % 32 of word token // 32)."""
+        word = token >> 5
+        return word < self._bits.shape[-1] and bool((int(self._bits[0, word]) >> (token & 31)) & 1)
+
+    def _grammar_live(self) -> bool:
+        return self.matcher is not None and not self._off_grammar and not self.matcher.is_terminated()
+
+    def _shape(self, logits: torch.Tensor) -> None:
+        """Everything apply does but the grammar's mask."""
         if self.bias_ids is not None:
             logits.index_add_(0, self.bias_ids, self.bias_values)
         if self.bad_single is not None:
@@ -85,13 +124,6 @@ class RequestShaper:
             logits.copy_(torch.where(seen & (logits > 0), logits / r, torch.where(seen, logits * r, logits)))
         if self.counts is not None:
             logits.sub_(self.counts * self.frequency + (self.counts > 0).to(torch.float32) * self.presence)
-        if self.matcher is not None and not self._off_grammar and not self.matcher.is_terminated():
-            t0 = time.perf_counter()
-            if self.matcher.fill_next_token_bitmask(self._bitmask):
-                self.backend.apply_bitmask(logits.view(1, -1), self._bitmask)
-            self.stats.mask_seconds += time.perf_counter() - t0
-            self.stats.masked_tokens += 1
-        return logits
 
     # ----------------------------------------------------------------- state
     def _add(self, token: int) -> None:
