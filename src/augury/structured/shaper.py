@@ -86,8 +86,8 @@ class RequestShaper:
         """The greedy token of apply(logits) (logits [V] float32, shaped in place), the first index on
         ties, without masking the row where the grammar allows its unmasked argmax: that token is then
         the masked row's first largest value too (every earlier index is smaller, masked or not). The
-        mask is filled all the same (~7 us; applying it, ~40-70 us at 49,152 tokens, is what this
-        saves)."""
+        bitmask is filled all the same; applying it is what this saves (JSON at batch 1 on an AMX Xeon:
+        a constrained greedy decode row's sampling 0.23 ms with it, 0.13 ms without)."""
         self._shape(logits)
         tok = argmax_ids(logits.view(1, -1))[0]
         if not self._grammar_live():
