@@ -119,7 +119,7 @@ def _result(res: dict[int, tuple[list[int], int]], batch: int) -> VerifyResult:
 def _greedy_step(active: list[int], kid_toks: list[list[int]], logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Accept the first child whose token is the target's argmax; else the argmax is the bonus."""
     want = argmax_ids(logits)  # [A]
-    return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
+    return _match(kid_toks, want), want
 
 
 def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
@@ -130,7 +130,7 @@ def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
         want = argmax_ids(logits) if len(own) < len(active) else [0] * len(active)
         for a in own:
             want[a] = shapers[active[a]].greedy(logits[a].to(torch.float32, copy=True))
-        return [kt.index(w) if w in kt else -1 for kt, w in zip(kid_toks, want)], want
+        return _match(kid_toks, want), want
     return step
 
 
