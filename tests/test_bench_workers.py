@@ -121,6 +121,78 @@ def test_bench_smoke_two_augury_systems_in_their_own_processes(tiny_checkpoint, 
     assert "process of" in table and str(results["augury"]["pid"]) in table
 
 
+class _FakeWorker:
+    """A worker's System side, recording which timed runs reached it."""
+
+    def __init__(self, name: str, speed: float) -> None:
+        self.name, self.speed, self.info = name, speed, {"pid": id(self)}
+        self.timed: list[int] = []  # the pool's run counter at each timed run
+        self.warmed = 0
+
+    def supports(self, batch_size: int) -> bool:
+        return True
+
+    def timed_run(self, groups, output_len, stop_at_eos=False):
+        self.timed.append(len(self.timed))
+        out = [[1] * output_len for prompts in groups for _ in prompts]
+        return out, self.speed, self.speed
+
+    def generate(self, prompts, output_len, stop_at_eos=False):
+        self.warmed += 1
+        return [[1] * output_len for _ in prompts]
+
+    def reset_counts(self) -> None:
+        pass
+
+    def stats(self, kinds=None):
+        return {"accept_length": self.speed, "spec_fraction": 0.0, "mask_share": 0.0,
+                "accept_by_kind": None if kinds is None else {k: self.speed for k in kinds}}
+
+    def accept_by_kind(self, kinds):
+        return self.stats(kinds)["accept_by_kind"]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_system_in_several_processes_takes_turns_between_them_over_the_repeats() -> None:
+    """--processes 2: each system's repeats alternate between its two processes (r % 2), every process
+    is warmed up, and a process slower than its twin shows in the ratios as the mean of the two, not
+    as the whole run's offset."""
+    from augury.bench.offline import BenchSettings, run_benchmark
+    from augury.bench.worker import WorkerPool
+
+    ref = WorkerPool([_FakeWorker("a", 1.0), _FakeWorker("a", 1.0)])
+    slow_twin = WorkerPool([_FakeWorker("b", 1.0), _FakeWorker("b", 1.1)])
+    settings = BenchSettings(batch_sizes=(1, 2), prompt_len=3, output_len=4, repeats=4, warmup=1, systems=("a", "b"))
+    rows = run_benchmark(settings, [ref, slow_twin], vocab_size=50, progress=False)
+    for pool in (ref, slow_twin):
+        assert [len(w.timed) for w in pool.workers] == [4, 4]  # 2 batch sizes x repeats 0, 2 and 1, 3
+        assert [w.warmed for w in pool.workers] == [2, 2]  # a warm-up per batch size in each process
+    b = next(r for r in rows if r.system == "b" and r.batch_size == 1)
+    assert sorted(round(x, 3) for x in b.paired_ratios) == [0.909, 0.909, 1.0, 1.0]
+    assert b.accept_length == pytest.approx(1.05) and b.pid == slow_twin.workers[0].info["pid"]
+    assert slow_twin.accept_by_kind({"k": []}) == {"k": pytest.approx(1.05)}
+    with pytest.raises(ValueError, match="one system"):
+        WorkerPool([_FakeWorker("a", 1.0), _FakeWorker("b", 1.0)])
+    slow_twin.close()
+    assert all(w.closed for w in slow_twin.workers)
+
+
+def test_bench_processes_option_starts_that_many_workers_per_system(tiny_checkpoint, tmp_path) -> None:
+    """`augury bench --processes 2` end to end: two worker processes for the system, its two repeats one
+    in each (the reported pid is the first's), a positive count required."""
+    from augury.bench.offline import BenchSettings, bench, main
+
+    settings = BenchSettings(model=str(tiny_checkpoint("llama")), batch_sizes=(1,), prompt_len=4, output_len=4,
+                             repeats=2, warmup=0, systems=("augury",), out=str(tmp_path / "out"), processes=2)
+    rows, out = bench(settings, progress=False)
+    report = json.loads((out / "offline.json").read_text())
+    assert report["settings"]["processes"] == 2 and len(rows[0].seconds) == 2
+    assert rows[0].output_tokens == 4 and rows[0].pid not in (None, os.getpid())
+    assert main(["--processes", "0", "--model", str(tiny_checkpoint("llama"))]) == 2
+
+
 _FAKE_LLAMA_CPP = '''
 class Llama:  # the little of llama-cpp-python's API the llama.cpp system uses
     def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):

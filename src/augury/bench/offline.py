@@ -66,6 +66,7 @@ class BenchSettings:
     quantization: str = "auto"
     gguf: str | None = None  # GGUF file for the llama.cpp system (default: the model's own, when it is one)
     tensor_parallel_size: int = 1  # augury systems' tensor-parallel ranks (a system's @tpN overrides it)
+    processes: int = 1  # worker processes per system; repeat r runs in process r % processes (worker.WorkerPool)
 
 
 @dataclass
@@ -309,7 +310,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
 
     for name in settings.systems:  # bad names fail before any loading
         system_factory(name)
-    from augury.bench.worker import start_workers, user_environment
+    from augury.bench.worker import WorkerPool, start_workers, user_environment
 
     user_env = user_environment()  # as the user started `augury bench`, before it set anything
     from transformers.utils import logging as hf_logging
@@ -365,7 +366,9 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
                             tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas)
-    systems = start_workers(list(settings.systems), shared, user_env)  # one process per system, loaded
+    per = settings.processes
+    workers = start_workers([n for n in settings.systems for _ in range(per)], shared, user_env)  # loaded
+    systems = workers if per == 1 else [WorkerPool(workers[i : i + per]) for i in range(0, len(workers), per)]
     try:
         rows = run_benchmark(settings, systems, cfg.vocab_size, progress, chat, kinds)
         processes = {s.name: system_info(s) for s in systems}
@@ -464,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help=f"untimed runs per system and batch size first (default: {d.warmup})")
+    p.add_argument("--processes", type=int, default=d.processes,
+                   help="worker processes per system (default: 1); repeat r runs in process r %% N, so what sets "
+                   "one process apart from another (a few percent) is spread over the repeats; each process holds "
+                   "its own model and KV cache")
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
@@ -523,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
     try:
-        for name in ("prompt_len", "output_len", "repeats", "num_prompts", "doc_tokens"):
+        for name in ("prompt_len", "output_len", "repeats", "num_prompts", "doc_tokens", "processes"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
         if args.workload != "throughput":
@@ -535,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
             draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
             stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size, processes=args.processes)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import statistics
 import subprocess
 import sys
 import time
@@ -225,6 +226,65 @@ class WorkerSystem:
 
     def accept_by_kind(self, kinds: dict[str, list[list[int]]]) -> dict[str, float] | None:
         return self.stats(kinds)["accept_by_kind"]
+
+
+class WorkerPool:
+    """One system in several worker processes (`augury bench --processes N`): its r-th timed run of a
+    batch size goes to process r % N, so whatever sets one process apart from another (two identical
+    systems, each in one worker, paired at 0.94-0.99 over five runs on an AMX Xeon) is spread over its
+    repeats instead of carried by every one of them. Warm-ups run in every process; the statistics
+    are the processes' mean; `info` is the first process's."""
+
+    def __init__(self, workers: list[WorkerSystem]) -> None:
+        if not workers or len({w.name for w in workers}) != 1:
+            raise ValueError("a worker pool needs one or more workers of one system")
+        self.workers = workers
+        self.name = workers[0].name
+        self.info = workers[0].info
+        self._runs = 0  # timed runs since the counts were last reset (a batch size's repeats)
+
+    def supports(self, batch_size: int) -> bool:
+        return self.workers[0].supports(batch_size)
+
+    def timed_run(self, groups: list[list[list[int]]], output_len: int,
+                  stop_at_eos: bool = False) -> tuple[list[list[int]], float, float]:
+        worker = self.workers[self._runs % len(self.workers)]
+        self._runs += 1
+        return worker.timed_run(groups, output_len, stop_at_eos)
+
+    def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
+        """Every process generates (a warm-up warms them all); the first one's answer."""
+        return [w.generate(prompts, output_len, stop_at_eos) for w in self.workers][0]
+
+    def reset_counts(self) -> None:
+        for w in self.workers:
+            w.reset_counts()
+        self._runs = 0
+
+    def _mean(self, key: str) -> float:
+        return statistics.fmean(w.stats()[key] for w in self.workers)
+
+    @property
+    def accept_length(self) -> float:
+        return self._mean("accept_length")
+
+    @property
+    def spec_fraction(self) -> float:
+        return self._mean("spec_fraction")
+
+    @property
+    def mask_share(self) -> float:
+        return self._mean("mask_share")
+
+    def accept_by_kind(self, kinds: dict[str, list[list[int]]]) -> dict[str, float] | None:
+        got = [d for d in (w.accept_by_kind(kinds) for w in self.workers) if d is not None]
+        if not got:
+            return None
+        return {k: statistics.fmean(d.get(k, 0.0) for d in got) for k in kinds}
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
 
 
 def start_workers(names: list[str], settings: Any, user_env: Mapping[str, str] | None = None) -> list[WorkerSystem]:
