@@ -355,3 +355,53 @@ def test_torchs_exact_rows_attention_is_the_decode_steps_at_two_threads(monkeypa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+def test_times_age_so_a_rarely_called_bucket_measures_again() -> None:
+    """A drafting bucket (16 rows) measured while a busy process shared a core chose one thread; the
+    load passed and plain decoding (1 row) measured two threads faster. While bucket 16's times are
+    fresh, a prompt (untimed, 256 rows: the nearest measured bucket's count) runs one thread; once they
+    are older than max_age they count no more: the prompt follows the bucket still measured, and
+    bucket 16's next calls measure both counts again and choose two."""
+    now = [0.0]
+    c = ThreadChoice(max_threads=lambda: 2, now=lambda: now[0])
+    _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=16)  # shared: one thread wins
+    assert c.best(16) == 1 and c.settled(256) == 1
+    for _ in range(10):  # idle now; a few seconds of plain decoding (two threads win)
+        now[0] += 1.0
+        _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)
+    assert c.best(1) == 2 and c.settled(256) == 1  # bucket 16's times are 10 s old: they still count
+    now[0] += threads.MAX_AGE
+    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)  # bucket 1 keeps its times fresh
+    assert c.settled(256) == 2
+    used = _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 12, rows=16)
+    assert 2 in used[:3] and c.best(16) == 2 and c.settled(256) == 2
+
+
+def test_untimed_calls_run_the_settled_count_and_teach_nothing(monkeypatch) -> None:
+    c = ThreadChoice(max_threads=lambda: 2)
+    monkeypatch.setattr(threads, "_choice", c)
+    got = []
+    with threads.untimed():
+        for _ in range(8):
+            c.timed(4, lambda n: got.append((n, threads.current())) or 0)
+    assert got == [(2, 2)] * 8 and c.trials == 0 and not c._buckets  # torch's count; nothing measured
+    _drive(c, lambda n, i: 1.0 if n == 1 else 5.0, 20, rows=1)
+    got.clear()
+    with threads.untimed():
+        c.timed(4, lambda n: got.append(n) or 0)
+    assert got == [1] and c.best(1) == 1 and 4 not in c._buckets
+
+
+@pytest.mark.skipif(cpu_kernels.forward() is None, reason="augury's fused-stack kernel does not run here")
+def test_the_warm_up_request_teaches_the_thread_choice_nothing(tiny_checkpoint, monkeypatch) -> None:
+    """Building an engine runs a warm-up request through the fused stack (drafting included); its cold
+    calls are not timed: the first request's calls are the choice's first."""
+    c = ThreadChoice()
+    monkeypatch.setattr(threads, "_choice", c)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="ngram",
+              speculative_policy="static", log_stats_interval=0)
+    assert not c._buckets and c.trials == 0
+    llm.generate(random_prompts([9], seed=1), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    assert c._buckets
