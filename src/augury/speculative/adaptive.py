@@ -214,8 +214,10 @@ class AdaptivePolicy(Acceptance):
         if on and not bk.on and all(due[row] for row in pick):
             # only requests tried again on an optimistic guess draft: this step, not a change of mode;
             # it spends the bucket's credit for tries (arms.py; plan offers no guess while there is none)
+            # (predicted here; observe charges what the step took)
             share = self.drafting_share(b, d, [n for n, _ in pick.values()])
-            bk.credit -= (max(times[d] / max(times[0], 1e-12), LEAST_DRAFT_COST) - 1.0) * share
+            bk.trying = (max(times[d] / max(times[0], 1e-12), LEAST_DRAFT_COST) - 1.0) * share
+            bk.credit -= bk.trying
             return self._count(d, pick, "rule")
         if not on and bk.on:
             bk.switch(False)
@@ -441,11 +443,14 @@ class AdaptivePolicy(Acceptance):
         if shape is not None:
             self._learn(shape, accepted, offered, reqs)
         bk = self._bucket(bucket_of(batch_size))
+        trying, bk.trying = bk.trying, None  # (a try that ended up decoding plainly keeps its charge)
         if shape is None:
             if timed:
                 bk.arm(0).add(batch_size, seconds, bk.steps)
             return
         t0 = bk.arm(0).seconds()
+        if trying is not None and t0:  # a try: its cost as it ran (its catch-up included) replaces the prediction
+            bk.credit += trying - max(seconds / t0 - 1.0, 0.0)
         if bk.probe == depth and t0:
             # what probing costs beyond plain decoding, its catch-up included: the next one waits accordingly
             bk.probe_spent += max(seconds / t0 - 1.0, 0.0)

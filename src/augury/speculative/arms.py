@@ -22,10 +22,11 @@ decoding, its catch-up included, over the steps until the next).
 
 Tries: while a bucket decodes plainly, a request tried again on an optimistic guess (a new one, or
 one whose own back-off ran out; adaptive.py) makes a plain step a drafting one. Each costs what
-drafting costs here beyond a plain step, in the share its rows take, so tries spend a credit that
-grows by TRY_BUDGET plain steps per bucket step (at most TRY_CAP): a steady stream of new requests
-where drafting loses costs at most that share of the time, however many arrive; a try that finds
-no credit waits (the request stays due).
+its step took beyond a plain step (as it ran: a new request's first try also feeds the head its
+prompt, ~4x a plain step of the demo, which drafting's timed steps leave out), so tries spend a
+credit that grows by TRY_BUDGET plain steps per bucket step (at most TRY_CAP): a steady stream of
+new requests where drafting loses costs at most that share of the time, however many arrive; a try
+that finds no credit waits (the request stays due).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class Bucket:
         self.on_since = 0
         self.decided = False  # a first decision was logged
         self.credit = TRY_CAP  # plain steps' worth of time optimistic tries may still spend (see the module doc)
+        self.trying: float | None = None  # a try decided, not yet observed: the credit it was charged
         self.quiet: tuple | None = None  # (the batch's key, until which policy step): AdaptivePolicy._quiet
 
     def arm(self, depth: int) -> Arm:
