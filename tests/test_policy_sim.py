@@ -15,6 +15,7 @@ backlog untimed). Properties, each over a whole run:
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -257,3 +258,22 @@ def test_a_stream_of_new_requests_is_tried_within_a_budget(shape):
     sim.run(3000, DEAR)
     assert sim.drafted_share(CONVERGE) <= 0.08, sim.drafted_share(CONVERGE)
     assert sim.goodput(CONVERGE) >= 0.95 * plain_g
+
+
+@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+@pytest.mark.parametrize("cost, batch, rates, life", [(DEAR, 1, [0.3], 64), (DEAR, 2, [0.3, 0.95], 30),
+                                                      (DEAR, 4, [0.3, 0.9], 40), (CROSS, 16, [0.7], 96)])
+def test_skipping_the_rule_for_a_quiet_batch_changes_no_decision(shape, cost, batch, rates, life, monkeypatch):
+    """Steps without noise (so plain decoding's time, which the quiet path lets drift, stands still)
+    and new requests, tries and probes: the same simulation with the rule run at every step takes the
+    same steps, step for step (the quiet path skips only work whose answer is known: _quiet_until ends
+    it where an input changes)."""
+    monkeypatch.setattr(sys.modules[__name__], "NOISE", 0.0)
+    runs = []
+    for quiet in (True, False):
+        if not quiet:
+            monkeypatch.setattr(AdaptivePolicy, "_quiet", lambda self, bk, reqs: False)
+        sim = Sim(shape, batch, rates, seed=11, life=life, prompt=40)
+        sim.run(2500, cost)
+        runs.append(sim.log)
+    assert runs[0] == runs[1]

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from augury.core.request import Request
 from augury.speculative.acceptance import (  # noqa: F401  (constants re-exported for tests and tuning)
     OPTIMISTIC_RATE, PRIOR_RATE, REQ_BACKOFF, REQ_MAX_BACKOFF, Acceptance, Expected, _expected)
-from augury.speculative.arms import Bucket, bucket_of
+from augury.speculative.arms import TRY_BUDGET, Bucket, bucket_of
 from augury.speculative.policy import StepPlan, TreeShape, user_caps
 
 log = logging.getLogger("augury.speculative")
@@ -99,16 +99,18 @@ class AdaptivePolicy(Acceptance):
     def plan(self, reqs: Sequence[Request]) -> StepPlan:
         """This step's tree and each request's draft budget (0: a root-only row), by the one rule."""
         b = len(reqs)
+        bk = self.buckets.get(bucket_of(b))
+        if bk is not None and bk.quiet is not None and self._quiet(bk, reqs):
+            return bk.quiet[3]
         caps = user_caps(reqs)
         if (self.threshold is not None and b > self.threshold) or not any(c != 0 for c in caps):
             return StepPlan(None, tuple(0 for _ in reqs))
         owns = [self._own(r) if c != 0 else None for r, c in zip(reqs, caps)]
         bk = self._bucket(bucket_of(b))
+        bk.quiet = None
         self._learn_spread(owns)  # over every request that may draft, those left out included
         due = [o is not None and o.due() for o in owns]
-        key = (tuple(r.request_id for r in reqs), caps, tuple(due), bk.credit > 0.0)
-        if self._quiet(bk, key, owns):
-            return StepPlan(None, tuple(0 for _ in reqs))
+        was_due, credit = due, bk.credit > 0.0  # what a quiet stretch after this step holds to
         if not bk.on and bk.credit <= 0.0 and any(due):
             # a plain bucket's tries wait for credit (arms.py): no optimistic guess counts meanwhile (it
             # would make the rule draft the others), and the requests stay due
@@ -130,11 +132,12 @@ class AdaptivePolicy(Acceptance):
                 own.retry_at = own.steps + own.backoff
                 own.backoff = min(2 * own.backoff, REQ_MAX_BACKOFF)
         if not depth or not pick:
-            # plain by the rule itself with the bucket off: the next QUIET_STEPS steps of this same batch
-            # may skip the rule (see _quiet)
-            bk.quiet = (key, self.steps + QUIET_STEPS) if kind == "rule" and not bk.on and bk.probe is None else None
-            return StepPlan(None, tuple(0 for _ in reqs))
-        bk.quiet = None
+            plain = StepPlan(None, tuple(0 for _ in reqs))
+            if kind == "rule" and not bk.on and bk.probe is None:
+                # plain by the rule itself with the bucket off: the next steps of this same batch may skip
+                # the rule (see _quiet)
+                bk.quiet = (tuple(r.request_id for r in reqs), self._quiet_until(bk, owns, was_due, credit), owns, plain)
+            return plain
         self.rows_planned += b
         self.rows_drafted += len(pick)
         nodes = self.shape_for(depth).num_drafts
@@ -142,25 +145,39 @@ class AdaptivePolicy(Acceptance):
                     for row, cap in enumerate(caps))
         return StepPlan(self.shape_for(depth), out)
 
-    def _quiet(self, bk: Bucket, key: tuple, owns: list) -> bool:
+    def _quiet(self, bk: Bucket, reqs: Sequence[Request]) -> bool:
         """A step the rule need not be run for: under QUIET_STEPS steps ago the rule decided plain
-        decoding by itself, with the bucket off, for this very batch (key: the same requests and caps,
-        the same of them due for a try, tries' credit left or not), and no probe has come due since.
-        The rule's inputs then barely move (acceptance is learned from drafting steps only, drafting's
-        time from probes; plain decoding's time drifts) and running it costs ~0.2 ms a step in Python
-        (2% of a plain step of the demo at batch 1 on an AVX2 EPYC). Its bookkeeping is kept: steps
-        counted, tries' credit accrued."""
-        q = bk.quiet
-        if (q is None or self.steps >= q[1] or q[0] != key or bk.on or bk.probe is not None
-                or bk.steps + 1 >= bk.probe_at):
-            bk.quiet = None
+        decoding by itself, with the bucket off, for this very batch (the same requests, so the same
+        caps), and none of what it decided from has changed since (`_quiet_until`: no request come due
+        for a try, the tries' credit not turned positive, no probe come due). The rule's inputs then
+        barely move (acceptance is learned from drafting steps only, drafting's time from probes; plain
+        decoding's time drifts) and running it costs ~0.2 ms a step in Python (2% of a plain step of the
+        demo at batch 1 on an AVX2 EPYC); this check, with its bookkeeping (steps counted, tries' credit
+        accrued, the spread learned), a few microseconds."""
+        ids, until, owns, _ = bk.quiet
+        if self.steps >= until or bk.on or bk.probe is not None or ids != tuple(r.request_id for r in reqs):
             return False
         self._tick(bk)
         self._count(0, {}, "rule")
+        self._learn_spread(owns)
         for own in owns:
             if own is not None:
                 own.steps += 1
         return True
+
+    def _quiet_until(self, bk: Bucket, owns: list, due: list[bool], credit: bool) -> int:
+        """The policy step from which a batch the rule just sent to plain decoding (at policy step
+        self.steps; due and credit: which requests were due for a try, and whether the tries' credit
+        was positive, as the rule found them) must be decided again: after QUIET_STEPS steps, or once a
+        probe comes due, a request not due then comes due, or the credit turns positive (one step early
+        at worst), whichever is first. Every one of them moves by one a step meanwhile."""
+        until = self.steps + min(QUIET_STEPS, bk.probe_at - bk.steps - 1)
+        for own, d in zip(owns, due):
+            if own is not None and not d and own.retry_at is not None:
+                until = min(until, self.steps + own.retry_at - own.steps)
+        if not credit:
+            until = min(until, self.steps + max(int(-bk.credit / TRY_BUDGET), 0))
+        return until
 
     def _tick(self, bk: Bucket) -> None:
         """A decision taken for bucket bk: the policy's and the bucket's steps, the tries' credit."""

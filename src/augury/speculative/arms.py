@@ -119,7 +119,7 @@ class Bucket:
         self.decided = False  # a first decision was logged
         self.credit = TRY_CAP  # plain steps' worth of time optimistic tries may still spend (see the module doc)
         self.trying: float | None = None  # a try decided, not yet observed: the credit it was charged
-        self.quiet: tuple | None = None  # (the batch's key, until which policy step): AdaptivePolicy._quiet
+        self.quiet: tuple | None = None  # (request ids, until which policy step, their states, the plan): AdaptivePolicy._quiet
 
     def arm(self, depth: int) -> Arm:
         a = self.arms.get(depth)

@@ -90,7 +90,8 @@ class Speculator:
             plan = self._warm_plan(reqs) if self.warming else self.policy.plan(reqs)
             shape = plan.shape
             # a request's own cap holds whatever the policy says
-            caps = [_tighter(c, r.params.max_draft_tokens) if self._ready(r) else 0 for c, r in zip(plan.caps, reqs)]
+            caps = [_tighter(c, r.params.max_draft_tokens) if self._ready(r) else 0 for c, r in zip(plan.caps, reqs)] \
+                if shape is not None else plan.caps
         drafting = [i for i, c in enumerate(caps) if c != 0] if shape is not None else []
         if not drafting:
             shape = None
