@@ -138,8 +138,12 @@ def test_the_guard_turns_a_losing_bucket_off_and_retries_with_growing_back_off()
         policy.observe(2, shape, 0.050, [0, 0], timed=True)
         policy.acc = list(policy.off)  # the books keep saying everything is accepted
         if bk.blocked and not was:
-            waits.append(bk.probe_at - bk.steps)
-    assert len(waits) == 3 and waits[0] >= BASE_BACKOFF and waits[0] < waits[1] < waits[2]
+            waits.append((bk.probe_at - bk.steps, bk.backoff))
+    # the back-off doubles each time; the wait is at least the back-off it was set by (more where
+    # probing's budget spaces probes further: arms.EXPLORE_BUDGET), and never shrinks
+    assert len(waits) == 3 and waits[0][0] >= BASE_BACKOFF
+    assert [b for _, b in waits] == [2 * BASE_BACKOFF, 4 * BASE_BACKOFF, 8 * BASE_BACKOFF]
+    assert all(w >= b // 2 for w, b in waits) and waits[0][0] <= waits[1][0] <= waits[2][0] and waits[0][0] < waits[2][0]
 
 
 def test_a_new_bucket_above_a_losing_one_waits_for_that_ones_back_off():

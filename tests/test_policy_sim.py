@@ -236,14 +236,15 @@ def test_tries_are_charged_what_they_cost_their_catch_up_included(shape):
     """As `augury bench` at batch 1 on the demo: a new request every 64 steps, its prompt (the catch-up
     window's 128 tokens) costing the head ~4 plain steps on its first drafting step, which drafting's
     timed steps leave out; drafting loses. Each new request's try is charged what its step took, so
-    tries and probes together cost under 4% (seeds 5-7: tree 0.8-1.3%, chain 2.3-3.1%; charged at the
-    timed steps' price instead, tree 0.8-3.0%, chain 6.8-8.2%)."""
+    tries and probes together cost under 2.5% (seeds 5-7: tree 0.3-1.4%, chain 1.4-1.8%; with tries
+    charged at the timed steps' price and twice the budgets for tries and probes, tree 0.8-3.0%,
+    chain 6.8-8.2%)."""
     cost = Cost(c=0.006, k=4 * 0.021 / CATCH_UP_WINDOW)
     plain_g, static_g = baselines(shape, 1, [0.3], cost, 6000, seed=5)
     assert plain_g > CLEAR * static_g
     sim = Sim(shape, 1, [0.3], seed=5, life=64, prompt=200)
     sim.run(6000, cost)
-    assert sim.goodput(CONVERGE) >= 0.96 * plain_g, sim.goodput(CONVERGE) / plain_g
+    assert sim.goodput(CONVERGE) >= 0.975 * plain_g, sim.goodput(CONVERGE) / plain_g
 
 
 @pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])

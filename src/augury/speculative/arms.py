@@ -42,13 +42,13 @@ GUARD_WINDOW = 32  # speculative steps, as run, whose realized goodput the guard
 GUARD_MIN = 16  # ... at least this many before it judges (and again every GUARD_MIN // 2 steps)
 GUARD_MARGIN = 0.95  # realized speculative goodput under this share of plain's: speculation off
 BASE_BACKOFF, MAX_BACKOFF = 32, 256  # bucket steps before a losing arm is tried again (doubling)
-EXPLORE_BUDGET = 0.01  # ... and at least so many that probing costs at most this share of the time
-TRY_BUDGET = 0.02  # plain steps of credit each bucket step adds for optimistic tries while plain ...
+EXPLORE_BUDGET = 0.005  # ... and at least so many that probing costs at most this share of the time
+TRY_BUDGET = 0.01  # plain steps of credit each bucket step adds for optimistic tries while plain ...
 TRY_CAP = 3.0  # ... up to this many (a fresh bucket starts full)
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
 STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
 COLD_BUDGET = 0.1  # ... or more, so that even a first probe costs at most this share of the steps until the next
-MAX_SPACING = 1024  # and never more steps than this between probes
+MAX_SPACING = 2048  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
 FORCED_SEEN = 6  # timed steps of each kind before ForcedGate judges forced-only steps in a bucket
 
