@@ -47,8 +47,8 @@ TRY_BUDGET = 0.01  # plain steps of credit each bucket step adds for optimistic 
 TRY_CAP = 3.0  # ... up to this many (a fresh bucket starts full)
 PROBE_COST = 3  # steps a probe of a losing arm takes at least (it stops once two timed steps show it cannot pay)
 STRETCH = 4  # ... but after the first probe at most this many back-offs (it may have run cold)
-COLD_BUDGET = 0.1  # ... or more, so that even a first probe costs at most this share of the steps until the next
-MAX_SPACING = 2048  # and never more steps than this between probes
+COLD_BUDGET = 0.05  # ... or more, so that even a first probe costs at most this share of the steps until the next
+MAX_SPACING = 8192  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
 FORCED_SEEN = 6  # timed steps of each kind before ForcedGate judges forced-only steps in a bucket
 
