@@ -277,26 +277,25 @@ _scope = threading.local()
 
 
 @contextmanager
-def scoped(threads: int):
-    """Inside the block, on this thread, augury's kernels run `threads` threads (`current()`)."""
-    before = getattr(_scope, "threads", None)
-    _scope.threads = threads
+def _this_thread(name: str, value):
+    """Inside the block, this thread's `_scope.<name>` is value (as it was after)."""
+    before = getattr(_scope, name, None)
+    setattr(_scope, name, value)
     try:
         yield
     finally:
-        _scope.threads = before
+        setattr(_scope, name, before)
 
 
-@contextmanager
+def scoped(threads: int):
+    """Inside the block, on this thread, augury's kernels run `threads` threads (`current()`)."""
+    return _this_thread("threads", threads)
+
+
 def untimed():
     """Inside the block, on this thread, timed calls run the settled count and teach the choice nothing
     (the warm-up request: cold calls, see the module's docstring)."""
-    before = getattr(_scope, "untimed", False)
-    _scope.untimed = True
-    try:
-        yield
-    finally:
-        _scope.untimed = before
+    return _this_thread("untimed", True)
 
 
 def trials() -> int:
