@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -339,8 +340,12 @@ def int4_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K/2] uint8 (INT4_FILE layout: column 2i low nibble, 2i+1 high) -> [N, K] int32 0..15."""
-    return torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(codes.shape[0], -1).to(torch.int32)
+    """codes [N, K/2] uint8 (INT4_FILE layout: column 2i low nibble, 2i+1 high) -> [N, K] int32 0..15.
+    In numpy: torch's uint8 shifts and interleaving stack took 7 of the demo's 25 s start-up (AMX Xeon),
+    numpy's ~10x less."""
+    c = codes.cpu().numpy()
+    out = np.stack((c & 0x0F, c >> 4), axis=-1).reshape(c.shape[0], -1).astype(np.int32)
+    return torch.from_numpy(out).to(codes.device)
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype,
