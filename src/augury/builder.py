@@ -19,7 +19,6 @@ from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.stats import EngineStats
-from augury.cpu import threads as cpu_threads
 from augury.models.loader import load_target
 from augury.models.tokenizer import eos_ids, load_tokenizer
 from augury.sampling_params import SamplingParams
@@ -168,20 +167,18 @@ def _as_folders(config: EngineConfig) -> ResolvedModel:
 
 def run_warmup(engine: Engine) -> None:
     """One short greedy request through the whole path (a speculator warming up decodes one step
-    plainly and drafts the rest, and tells its policy nothing, nor the kernels' thread choice); it
-    must finish and free its blocks.
+    plainly and drafts the rest, and tells its policy nothing); it must finish and free its blocks.
     Nothing is profiled: the adaptive policy measures both arms online, each batch bucket starting
     plain."""
     free_before = engine.allocator.num_free
     rid = engine.add_request([engine.model_cfg.bos_token_id or 1] * 4,
                              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "warmup")
     done = False
-    with cpu_threads.untimed():  # cold calls: the kernels' thread choice learns nothing from them
-        for _ in range(64):
-            for out in engine.step():
-                done = done or (out.request_id == rid and out.finished)
-            if done:
-                break
+    for _ in range(64):
+        for out in engine.step():
+            done = done or (out.request_id == rid and out.finished)
+        if done:
+            break
     if not done:
         raise RuntimeError("the warm-up request did not finish")
     if engine.allocator.num_free != free_before:

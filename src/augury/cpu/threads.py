@@ -15,13 +15,7 @@ while a losing count costs at most 1 / explore_max of the calls once settled (th
 also grows by how much that count lost, up to explore_max, or further where a try costs so much
 that its share of the time would pass TRY_SHARE: a dear count is tried less often). A new bucket
 starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the
-current one only when its median is lower by more than `margin` (hysteresis against noise). Times
-age: one older than `max_age` seconds no longer counts, so a bucket called rarely (a drafting step's
-verification rows) measures its counts again at its next call instead of keeping, for good, what a
-passing load taught it (a server started beside a busy process chose one thread for its drafting
-buckets, and its prompts, which take the nearest measured bucket's count, ran on one thread ever
-after: 0.85x of plain decoding in `augury bench`, where every worker loads at once). The warm-up
-request (builder.run_warmup) runs `untimed()`: its calls are cold, and they are not load. The
+current one only when its median is lower by more than `margin` (hysteresis against noise). The
 kernels give the same bits with any thread count (threads split rows or columns, never one value's
 sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
@@ -68,7 +62,6 @@ def torch_outer(n: int):
 
 CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
 TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see _gap)
-MAX_AGE = 30.0  # seconds a call's time counts for its bucket (see the module's docstring)
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -84,7 +77,6 @@ def bucket(rows: int) -> int:
 class _Bucket:
     def __init__(self, arms: tuple[int, ...], window: int, explore_min: int) -> None:
         self.times = {a: deque(maxlen=window) for a in arms}
-        self.stamps = {a: deque(maxlen=window) for a in arms}  # when each of those times was taken
         self.best = arms[0]
         self.calls = 0
         self.interval = explore_min
@@ -95,23 +87,13 @@ class _Bucket:
     def median(self, arm: int) -> float:
         return statistics.median(self.times[arm]) if self.times[arm] else float("inf")
 
-    def expire(self, before: float) -> None:
-        """Forget the times taken before `before`."""
-        for a, stamps in self.stamps.items():
-            while stamps and stamps[0] < before:
-                stamps.popleft()
-                self.times[a].popleft()
-
 
 class ThreadChoice:
     """Thread counts for the fused stack, by measurement (see the module's docstring)."""
 
     def __init__(self, max_threads: Callable[[], int] = torch_count, window: int = 7,
-                 min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256,
-                 max_age: float = MAX_AGE, now: Callable[[], float] = time.monotonic) -> None:
+                 min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256) -> None:
         self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
-        self.max_age, self.now = max_age, now
-        self._next_expiry = 0.0  # times are aged at most once a second (see _sync_arms)
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
@@ -121,15 +103,9 @@ class ThreadChoice:
         self._lock = threading.Lock()
 
     def _sync_arms(self) -> None:
-        """The candidates as torch's count stands now (changed: start over), and no time older than max_age."""
         arms = candidates(self.max_threads())
         if arms != self._arms:  # torch's thread count changed: start over
             self._arms, self._buckets = arms, {}
-        now = self.now()
-        if now >= self._next_expiry:
-            self._next_expiry = now + 1.0
-            for b in self._buckets.values():
-                b.expire(now - self.max_age)
 
     def _bucket(self, rows: int) -> _Bucket:
         """The bucket of `rows`, made on first use. A new bucket next to one whose counts are all
@@ -200,7 +176,6 @@ class ThreadChoice:
             if threads not in b.times:
                 return
             b.times[threads].append(seconds)
-            b.stamps[threads].append(self.now())
             if not all(self._measured(b, a) for a in b.times):
                 return
             if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
@@ -251,12 +226,7 @@ class ThreadChoice:
             return min(self._buckets[near].best, n)
 
     def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
-        """run(threads) under the picked count, timed and recorded; returns run's result. Inside an
-        `untimed()` block: under the settled count, neither timed nor recorded."""
-        if getattr(_scope, "untimed", False):
-            threads = self.settled(rows)
-            with scoped(threads):
-                return run(threads)
+        """run(threads) under the picked count, timed and recorded; returns run's result."""
         threads = self.pick(rows)
         t0 = clock()
         with scoped(threads):
@@ -277,25 +247,14 @@ _scope = threading.local()
 
 
 @contextmanager
-def _this_thread(name: str, value):
-    """Inside the block, this thread's `_scope.<name>` is value (as it was after)."""
-    before = getattr(_scope, name, None)
-    setattr(_scope, name, value)
+def scoped(threads: int):
+    """Inside the block, on this thread, augury's kernels run `threads` threads (`current()`)."""
+    before = getattr(_scope, "threads", None)
+    _scope.threads = threads
     try:
         yield
     finally:
-        setattr(_scope, name, before)
-
-
-def scoped(threads: int):
-    """Inside the block, on this thread, augury's kernels run `threads` threads (`current()`)."""
-    return _this_thread("threads", threads)
-
-
-def untimed():
-    """Inside the block, on this thread, timed calls run the settled count and teach the choice nothing
-    (the warm-up request: cold calls, see the module's docstring)."""
-    return _this_thread("untimed", True)
+        _scope.threads = before
 
 
 def trials() -> int:
