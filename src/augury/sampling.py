@@ -24,6 +24,16 @@ def argmax_ids(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def greedy_ids(logits: torch.Tensor, shapers: Sequence[LogitsShaper | None]) -> list[int]:
+    """logits [B, V] -> each row's greedy token: argmax_ids of the raw row, or, where the row has a
+    shaper, its LogitsShaper.greedy on a float32 copy of the row (logits stay raw)."""
+    own = [i for i, s in enumerate(shapers) if s is not None]
+    out = argmax_ids(logits) if len(own) < len(shapers) else [0] * len(shapers)
+    for i in own:
+        out[i] = shapers[i].greedy(logits[i].to(torch.float32, copy=True))
+    return out
+
+
 class LogitsShaper(Protocol):
     """What reshapes one request's logits before the filters below (augury.structured.RequestShaper:
     penalties, logit bias, bad words, a grammar's mask). Its state is the request's committed output

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.core.request import Request
-from augury.sampling import apply_sampling_filters, argmax_ids, draw_rows
+from augury.sampling import apply_sampling_filters, draw_rows, greedy_ids
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -12,18 +12,14 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     its next output token at that position's uniform (Request.uniforms), as verification does. A
     request's shaper (penalties, logit bias, bad words, a grammar's mask) shapes a copy of its row
     first; `logits` itself is left raw (log-probabilities read it)."""
-    shaped = [i for i, req in enumerate(requests) if req.shaper is not None]
-    picked: dict[int, int] = {}  # greedy shaped rows: their token (LogitsShaper.greedy)
+    # greedy rows take their shaper's greedy token (LogitsShaper.greedy); sampled ones draw from a shaped copy
+    greedy = [r.shaper if r.shaper is not None and r.params.temperature == 0.0 else None for r in requests]
+    shaped = [i for i, r in enumerate(requests) if r.shaper is not None and r.params.temperature != 0.0]
     if shaped:
         logits = logits.clone()
         for i in shaped:
-            if requests[i].params.temperature == 0.0:
-                picked[i] = requests[i].shaper.greedy(logits[i])
-            else:
-                requests[i].shaper.apply(logits[i])
-    out = argmax_ids(logits) if len(picked) < len(requests) else [0] * len(requests)
-    for i, tok in picked.items():
-        out[i] = tok
+            requests[i].shaper.apply(logits[i])
+    out = greedy_ids(logits, greedy)
     rows = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]
     for i in rows:
         req, p = requests[i], requests[i].params

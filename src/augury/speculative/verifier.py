@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows
+from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows, greedy_ids
 from augury.speculative.tree import DraftTree
 
 
@@ -126,10 +126,7 @@ def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
     """_greedy_step over raw rows, a shaped request's argmax taken by its shaper (LogitsShaper.greedy:
     the argmax of its shaped row, on a copy)."""
     def step(active: list[int], kid_toks: list[list[int]], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        own = [a for a, b in enumerate(active) if shapers[b] is not None]
-        want = argmax_ids(logits) if len(own) < len(active) else [0] * len(active)
-        for a in own:
-            want[a] = shapers[active[a]].greedy(logits[a].to(torch.float32, copy=True))
+        want = greedy_ids(logits, [shapers[b] for b in active])
         return _match(kid_toks, want), want
     return step
 
