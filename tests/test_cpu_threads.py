@@ -355,3 +355,38 @@ def test_torchs_exact_rows_attention_is_the_decode_steps_at_two_threads(monkeypa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+def test_times_age_so_a_rarely_called_bucket_measures_again() -> None:
+    """A drafting bucket (16 rows) measured while a busy process shared a core chose one thread; the
+    load passed and plain decoding (1 row) measured two threads faster. While bucket 16's times are
+    fresh, a prompt (untimed, 256 rows: the nearest measured bucket's count) runs one thread; once they
+    are older than max_age the prompt follows the bucket measured since, and bucket 16's next calls
+    measure both counts again and choose two."""
+    now = [0.0]
+    c = ThreadChoice(max_threads=lambda: 2, now=lambda: now[0])
+    _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=16)  # shared: one thread wins
+    assert c.best(16) == 1 and c.settled(256) == 1
+    for _ in range(10):  # idle now; a few seconds of plain decoding (two threads win)
+        now[0] += 1.0
+        _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)
+    assert c.best(1) == 2 and c.settled(256) == 1  # bucket 16's times are 10 s old: they still count
+    now[0] += threads.MAX_AGE
+    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)  # bucket 1 keeps its times fresh
+    assert c.settled(256) == 2 and c.best(16) == 1  # bucket 16 keeps its choice until measured again
+    used = _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 12, rows=16)
+    assert 2 in used[:3] and c.best(16) == 2 and c.settled(256) == 2
+
+
+def test_a_choice_whose_times_all_aged_still_stands_for_untimed_calls() -> None:
+    """After a long idle spell every time is older than max_age: a prompt then runs the count last
+    chosen (one thread on a shared core), not torch's count with nothing measured (on this VM two
+    threads against a busy process pinned to one core took ~6.5 ms a standalone kernel call, one ~23 us)."""
+    now = [0.0]
+    c = ThreadChoice(max_threads=lambda: 2, now=lambda: now[0])
+    assert c.settled(64) == 2  # nothing ever measured: torch's count
+    _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=1)
+    now[0] += 10 * threads.MAX_AGE
+    assert c.settled(64) == 1 and c.best(1) == 1
+    used = _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 20, rows=1)  # measured again: both counts once
+    assert used.count(2) == 1 and c.best(1) == 1

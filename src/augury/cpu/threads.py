@@ -15,7 +15,14 @@ while a losing count costs at most 1 / explore_max of the calls once settled (th
 also grows by how much that count lost, up to explore_max, or further where a try costs so much
 that its share of the time would pass TRY_SHARE: a dear count is tried less often). A new bucket
 starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the
-current one only when its median is lower by more than `margin` (hysteresis against noise). The
+current one only when its median is lower by more than `margin` (hysteresis against noise). Times
+age: one older than `max_age` seconds no longer counts, so a bucket called rarely (a drafting step's
+verification rows) measures its counts again at its next call instead of keeping for good what a
+passing load taught it; until then it keeps the count it chose, but untimed calls (below) follow the
+nearest bucket measured within max_age first (a server loaded beside busy processes chose one thread
+for its drafting buckets during the warm-up, and its prompts, which took the nearest measured
+bucket's count, ran one thread ever after: augury-default at 0.85x of augury-off in `augury bench`,
+where every worker loads at once; 2026-12-03, AMX Xeon, 2 threads). The
 kernels give the same bits with any thread count (threads split rows or columns, never one value's
 sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
@@ -62,6 +69,7 @@ def torch_outer(n: int):
 
 CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
 TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see _gap)
+MAX_AGE = 30.0  # seconds a call's time counts for its bucket (see the module's docstring)
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -77,6 +85,8 @@ def bucket(rows: int) -> int:
 class _Bucket:
     def __init__(self, arms: tuple[int, ...], window: int, explore_min: int) -> None:
         self.times = {a: deque(maxlen=window) for a in arms}
+        self.stamps = {a: deque(maxlen=window) for a in arms}  # when each of those times was taken
+        self.settled = False  # every count was measured once: `best` is a choice, not the default
         self.best = arms[0]
         self.calls = 0
         self.interval = explore_min
@@ -87,13 +97,23 @@ class _Bucket:
     def median(self, arm: int) -> float:
         return statistics.median(self.times[arm]) if self.times[arm] else float("inf")
 
+    def expire(self, before: float) -> None:
+        """Forget the times taken before `before` (`best` stays until the counts are measured again)."""
+        for a, stamps in self.stamps.items():
+            while stamps and stamps[0] < before:
+                stamps.popleft()
+                self.times[a].popleft()
+
 
 class ThreadChoice:
     """Thread counts for the fused stack, by measurement (see the module's docstring)."""
 
     def __init__(self, max_threads: Callable[[], int] = torch_count, window: int = 7,
-                 min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256) -> None:
+                 min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256,
+                 max_age: float = MAX_AGE, now: Callable[[], float] = time.monotonic) -> None:
         self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
+        self.max_age, self.now = max_age, now
+        self._next_expiry = 0.0  # times are aged at most once a second (see _sync_arms)
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
@@ -103,9 +123,15 @@ class ThreadChoice:
         self._lock = threading.Lock()
 
     def _sync_arms(self) -> None:
+        """The candidates as torch's count stands now (changed: start over), and no time older than max_age."""
         arms = candidates(self.max_threads())
         if arms != self._arms:  # torch's thread count changed: start over
             self._arms, self._buckets = arms, {}
+        now = self.now()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            for b in self._buckets.values():
+                b.expire(now - self.max_age)
 
     def _bucket(self, rows: int) -> _Bucket:
         """The bucket of `rows`, made on first use. A new bucket next to one whose counts are all
@@ -176,8 +202,10 @@ class ThreadChoice:
             if threads not in b.times:
                 return
             b.times[threads].append(seconds)
+            b.stamps[threads].append(self.now())
             if not all(self._measured(b, a) for a in b.times):
                 return
+            b.settled = True
             if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
                 # a losing count ran faster: try it again at once (its gap after that try still grows: on
                 # a shared core a count can be fast now and then and ~10x slow otherwise)
@@ -213,12 +241,15 @@ class ThreadChoice:
 
     def settled(self, rows: int) -> int:
         """For a call over `rows` rows that is not timed: the count chosen for the nearest bucket whose
-        every count has been measured (the one below it on a tie), torch's count where none has."""
+        every count has been measured within max_age (the one below it on a tie); where none has, the
+        nearest that was once so measured (its choice stands until measured again); torch's count where
+        none ever was."""
         n = max(self.max_threads(), 1)
         with self._lock:
-            self._sync_arms()  # the candidates as torch's count stands now
+            self._sync_arms()  # the candidates as torch's count stands now, old times aged out
             done = [k for k, b in self._buckets.items()
-                    if all(self._measured(b, a) for a in b.times)]
+                    if all(self._measured(b, a) for a in b.times)] \
+                or [k for k, b in self._buckets.items() if b.settled]
             if not done:
                 return n
             key = bucket(rows)
