@@ -390,3 +390,26 @@ def test_a_choice_whose_times_all_aged_still_stands_for_untimed_calls() -> None:
     assert c.settled(64) == 1 and c.best(1) == 1
     used = _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 20, rows=1)  # measured again: both counts once
     assert used.count(2) == 1 and c.best(1) == 1
+
+
+def test_forgotten_times_leave_the_choices_standing_until_measured_again() -> None:
+    c = ThreadChoice(max_threads=lambda: 2)
+    _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=16)  # busy while loading: one thread
+    c.forget_times()
+    assert c.best(16) == 1 and c.settled(256) == 1  # nothing measured since: the choice stands
+    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 30, rows=1)  # the first requests, on an idle machine
+    assert c.best(1) == 2 and c.settled(256) == 2 and c.best(16) == 1  # prompts follow what was measured
+
+
+@pytest.mark.skipif(cpu_kernels.forward() is None, reason="augury's fused-stack kernel does not run here")
+def test_the_warm_up_requests_times_are_forgotten(tiny_checkpoint, monkeypatch) -> None:
+    """Building an engine runs a warm-up request through the fused stack (drafting included); once it is
+    done its times count no more, while the counts it chose stand until requests measure them."""
+    c = ThreadChoice()
+    monkeypatch.setattr(threads, "_choice", c)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="ngram",
+              speculative_policy="static", log_stats_interval=0)
+    assert c._buckets and all(not t for b in c._buckets.values() for t in b.times.values())
+    llm.generate(random_prompts([9], seed=1), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    assert any(t for b in c._buckets.values() for t in b.times.values())

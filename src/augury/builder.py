@@ -19,6 +19,7 @@ from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.stats import EngineStats
+from augury.cpu import threads as cpu_threads
 from augury.models.loader import load_target
 from augury.models.tokenizer import eos_ids, load_tokenizer
 from augury.sampling_params import SamplingParams
@@ -186,4 +187,6 @@ def run_warmup(engine: Engine) -> None:
     if engine.speculator is not None:
         engine.speculator.after_warmup(engine)
     engine.stats = EngineStats()  # the warm-up is not traffic
+    if engine.device.type == "cpu":  # nor load: its thread choices stand until requests time the calls
+        cpu_threads.forget_times()
     engine.scheduler.prefix_queries = engine.scheduler.prefix_hits = 0

@@ -43,7 +43,7 @@ PROG = "augury bench"
 @dataclass(frozen=True)
 class BenchSettings:
     model: str = "random"
-    dtype: str = "float32"
+    dtype: str = "auto"  # as LLM resolves it for the model (the demo: bfloat16), one for every system
     device: str = "cpu"
     batch_sizes: tuple[int, ...] = (1, 8)
     prompt_len: int = 32
@@ -306,6 +306,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     """Run the whole benchmark; returns the rows and the folder holding offline.json/.png."""
     import torch
 
+    from augury.builder import resolve_dtype
     from augury.models.config import TargetConfig
 
     for name in settings.systems:  # bad names fail before any loading
@@ -333,6 +334,9 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         draft = str(resolved.draft_dir) if resolved.draft_dir is not None else None
         params = count_parameters(folder)
     cfg = TargetConfig.from_folder(folder)
+    # "auto" as augury's engine resolves it (builder.resolve_dtype): the dtype a user of LLM(model) runs
+    # (float32 for the demo would time another path, ~10x slower), given to every system as one concrete dtype
+    dtype = str(resolve_dtype(settings.dtype, cfg.torch_dtype, torch.device(settings.device))).removeprefix("torch.")
     chat = kinds = None
     schemas: tuple[tuple[tuple[int, ...], str], ...] = ()
     prompt_len = settings.prompt_len
@@ -362,7 +366,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         prompt_len = max(len(p) for p in chat)
     from augury.bench import _eos_ids
 
-    shared = SystemSettings(str(folder), settings.dtype, settings.device, max(settings.batch_sizes),
+    shared = SystemSettings(str(folder), dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
                             tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas)
@@ -376,11 +380,11 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         for s in systems:
             s.close()
     model_info = {"path": str(folder), "family": cfg.family, "parameters": params, "layers": cfg.num_layers,
-                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+                  "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "dtype": dtype}
     report = {"settings": asdict(settings), "model": model_info, "environment": environment(settings),
               "systems": processes, "results": [r.to_dict() for r in rows]}
     (out / "offline.json").write_text(json.dumps(report, indent=2) + "\n")
-    title = (f"{cfg.family} {params / 1e6:.1f}M params, {settings.dtype}, {settings.device}, "
+    title = (f"{cfg.family} {params / 1e6:.1f}M params, {dtype}, {settings.device}, "
              f"prompt {settings.prompt_len}, output {settings.output_len}, {threads} threads")
     plot(rows, out / "offline.png", title)
     return rows, out
@@ -441,8 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "tensor_parallel_size"),
               model=dict(default=d.model, help=OPTION["model"].help + ", or 'random' (a ~30M-parameter "
                          "random Llama written into --out)"),
-              dtype=dict(default=d.dtype, choices=["float32", "bfloat16", "float16"],
-                         help="weights and compute dtype of every system: float32, bfloat16 or float16"),
+              dtype=dict(default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                         help="weights and compute dtype of every system: auto (default: as augury's engine "
+                         "resolves it for the model, the demo's bfloat16), float32, bfloat16 or float16"),
               device=dict(default=d.device),
               draft_model=dict(flags=("--draft-model", OPTION["draft_model"].flag),
                                help="EAGLE-3 head folder for the augury-static/adaptive systems",

@@ -56,7 +56,7 @@ SYSTEM_PROMPT = "You are a helpful assistant. Answer from the document the user 
 class PrefixSettings:
     model: str = "demo"
     workload: str = "document"  # or "multi-turn"
-    dtype: str = "float32"
+    dtype: str = "auto"  # as LLM resolves it (the demo: bfloat16)
     device: str = "cpu"
     draft_model: str | None = None
     threads: int | None = None

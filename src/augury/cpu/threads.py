@@ -22,7 +22,9 @@ passing load taught it; until then it keeps the count it chose, but untimed call
 nearest bucket measured within max_age first (a server loaded beside busy processes chose one thread
 for its drafting buckets during the warm-up, and its prompts, which took the nearest measured
 bucket's count, ran one thread ever after: augury-default at 0.85x of augury-off in `augury bench`,
-where every worker loads at once; 2026-12-03, AMX Xeon, 2 threads). The
+where every worker loads at once; 2026-12-03, AMX Xeon, 2 threads). For the same reason the
+warm-up request's times are forgotten once it is done (`forget_times`): its choices stand until the
+first requests measure the buckets they call. The
 kernels give the same bits with any thread count (threads split rows or columns, never one value's
 sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
@@ -256,6 +258,14 @@ class ThreadChoice:
             near = min(done, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))
             return min(self._buckets[near].best, n)
 
+    def forget_times(self) -> None:
+        """Every time so far stops counting; each bucket keeps its choice until its counts are measured
+        again (the warm-up request's calls: cold, and timed while the machine may still be busy with
+        what started beside it)."""
+        with self._lock:
+            for b in self._buckets.values():
+                b.expire(float("inf"))
+
     def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
         """run(threads) under the picked count, timed and recorded; returns run's result."""
         threads = self.pick(rows)
@@ -286,6 +296,11 @@ def scoped(threads: int):
         yield
     finally:
         _scope.threads = before
+
+
+def forget_times() -> None:
+    """The process's choice forgets its times (ThreadChoice.forget_times): builder.run_warmup's end."""
+    _choice.forget_times()
 
 
 def trials() -> int:
