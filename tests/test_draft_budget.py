@@ -250,3 +250,31 @@ def test_budget_cut_trees_are_verified_packed(ckpts, monkeypatch):
         # while all four run, a step verifies 1 + 3 + 6 + 2 real nodes packed, not 4 x 6 padded
         assert (1, 1 + 3 + 6 + 2) in shapes, shapes
         assert (4, 6) not in shapes
+
+
+def test_a_long_backlog_beside_a_request_near_the_context_end(ckpts):
+    """The head catches up a batch's rows padded to the longest backlog: a new request's prompt (40
+    positions) beside one a few positions from the end of the context. The short row's padding must
+    stay inside the head's rope table (it ran past it: IndexError in augury bench at batch 48); greedy
+    output equals plain decoding's."""
+    target, head = ckpts["target"], ckpts["head"]
+    first, other = _prompts(2, seed=9)
+    first, long_prompt = (first * 4)[:10], (other * 8)[:40]
+    params = [SamplingParams(max_tokens=52, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    plain = LLM(str(target), dtype="float32", speculative_algorithm="none", log_stats_interval=0, max_model_len=64)
+    want = [plain.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip([first, long_prompt], params)]
+    llm = _eagle3(target, head, speculative_ngram_branch=0, max_num_seqs=4, max_model_len=64)
+    eng, got = llm.engine, {}
+    a = eng.add_request(first, params[0])
+    for _ in range(200):  # until the first request is within a few positions of the context's end
+        for o in eng.step():
+            got[o.request_id] = o
+        if eng.scheduler.running[0].num_computed >= 56:
+            break
+    assert a not in got or not got[a].finished
+    b = eng.add_request(long_prompt, params[1])
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] = o
+    assert [got[a].token_ids, got[b].token_ids] == want

@@ -118,7 +118,10 @@ class Eagle3Proposer:
                 h_in[j, :n] = feats[i][done[i] : done[i] + n]
                 toks[j, :n] = torch.tensor(r.all_token_ids[start + 1 : start + 1 + n])
             ctx = [r.draft_len for r in sub]
-            pos = (torch.tensor(ctx)[:, None] + torch.arange(q)[None, :]).to(self.device)
+            # a shorter row's padding repeats its last position (as the engine's prefill does): padding
+            # past a request near the context's end lay past the head's rope table (IndexError at batch 48)
+            end = torch.tensor(q_lens)[:, None] - 1
+            pos = (torch.tensor(ctx)[:, None] + torch.minimum(torch.arange(q)[None, :], end)).to(self.device)
             batch = masked_metadata([self.head_table(r) for r in sub], ctx, q_lens, q, bs, self.device)
             out, k, v = self._forward(toks.to(self.device), head.fc(h_in), pos, batch)
             for j, i in enumerate(rows):
