@@ -172,11 +172,13 @@ def test_a_new_bucket_above_a_losing_one_waits_for_that_ones_back_off():
     assert fresh.choose(2) == TREE  # nothing below: a new bucket probes at once
 
 
-@pytest.mark.parametrize("dear, waits", [(0.480, True), (0.080, False)])
+@pytest.mark.parametrize("dear, waits", [(0.480, True), (0.180, True), (0.080, False)])
 def test_a_new_bucket_below_a_losing_one_waits_only_where_drafting_could_not_pay(dear, waits):
     """A batch draining from 4 to 3: where a tree at batch 4 cost 12 plain steps, even scaled down to
-    3 rows (9 plain steps' extra) with every draft accepted (3 tokens a row) it cannot pay, so bucket
-    3 waits for bucket 4's back-off instead of probing at once; at 2 plain steps it could, and does."""
+    3 rows (9 plain steps' extra) it cannot pay, so bucket 3 waits for bucket 4's back-off instead of
+    probing at once; at 4.5 plain steps (an extra of ~2.6 scaled) it cannot either at the optimistic
+    guess requests are tried with (~2.3 tokens a row here), though it could with every draft taken
+    (3); at 2 plain steps it could, and does."""
     policy = AdaptivePolicy(TREE, None)
     _accept(policy, TREE, 1)
     teach_times(policy, 4, 0.040, {3: dear})
