@@ -88,7 +88,7 @@ class _Bucket:
     def __init__(self, arms: tuple[int, ...], window: int, explore_min: int) -> None:
         self.times = {a: deque(maxlen=window) for a in arms}
         self.stamps = {a: deque(maxlen=window) for a in arms}  # when each of those times was taken
-        self.settled = False  # every count was measured once: `best` is a choice, not the default
+        self.chosen = False  # every count was measured once: `best` is a choice, not the default
         self.best = arms[0]
         self.calls = 0
         self.interval = explore_min
@@ -207,7 +207,7 @@ class ThreadChoice:
             b.stamps[threads].append(self.now())
             if not all(self._measured(b, a) for a in b.times):
                 return
-            b.settled = True
+            b.chosen = True
             if threads != b.best and seconds < (1.0 - self.margin) * b.median(b.best):
                 # a losing count ran faster: try it again at once (its gap after that try still grows: on
                 # a shared core a count can be fast now and then and ~10x slow otherwise)
@@ -251,7 +251,7 @@ class ThreadChoice:
             self._sync_arms()  # the candidates as torch's count stands now, old times aged out
             done = [k for k, b in self._buckets.items()
                     if all(self._measured(b, a) for a in b.times)] \
-                or [k for k, b in self._buckets.items() if b.settled]
+                or [k for k, b in self._buckets.items() if b.chosen]
             if not done:
                 return n
             key = bucket(rows)
