@@ -16,7 +16,8 @@ from augury.attention.paged import (
     MaskedMetadata,
     PagedBackend,
     masked_metadata,
+    padded_positions,
 )
 
 __all__ = ["KEY_ALIGN", "CausalNoCache", "WIDTH_FREE_DTYPES", "AttentionBackend", "FusedRows", "PagedAttention", "MaskedMetadata", "PagedBackend",
-           "masked_metadata"]
+           "masked_metadata", "padded_positions"]

@@ -90,6 +90,15 @@ def _width(ctx_lens: list[int], q_width: int, block_size: int) -> int:
     return -(-(max(ctx_lens) + q_width) // block_size)
 
 
+def padded_positions(ctx_lens: list[int], q_lens: list[int], q_width: int) -> torch.Tensor:
+    """Positions [B, q_width] (on the CPU) of B requests' new tokens, q_lens[b] of them after ctx_lens[b]
+    cached ones, each row padded to q_width. A padding slot repeats its row's last position: past a
+    request near the context's end, padding would lie past the largest position a model's rope table
+    holds (its outputs are never read)."""
+    last = torch.tensor(q_lens)[:, None] - 1
+    return torch.tensor(ctx_lens)[:, None] + torch.minimum(torch.arange(q_width)[None, :], last)
+
+
 def masked_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int], q_width: int,
                     block_size: int, device: torch.device, tree_mask: torch.Tensor | None = None) -> MaskedMetadata:
     """Metadata for one masked attention: B requests, each with ctx_lens[b] cached tokens and q_lens[b]

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from augury.attention import AttentionBackend
+from augury.attention import AttentionBackend, padded_positions
 from augury.config import EngineConfig
 from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
@@ -274,10 +274,7 @@ class Engine:
         ctx = [r.num_computed for r in reqs]
         attn = self.attention.prepare_prefill([r.block_table for r in reqs], ctx, [len(r) for r in rows])
         q = max(len(r) for r in rows)
-        # a shorter row's padding repeats its last position: padding past a request's end may lie past
-        # the largest position the model computes (its outputs are never read)
-        last = torch.tensor([len(r) - 1 for r in rows])[:, None]
-        positions = torch.tensor(ctx)[:, None] + torch.minimum(torch.arange(q)[None, :], last)
+        positions = padded_positions(ctx, [len(r) for r in rows], q)  # padding repeats a row's last position
         hidden, aux = self.run_target(reqs, rows, positions, attn, self._wants_aux(reqs))
         done = [i for i, (r, end) in enumerate(zip(reqs, batch.ends)) if end == r.num_tokens]
         for i, (r, row, c) in enumerate(zip(reqs, rows, ctx)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from augury.attention import masked_metadata
+from augury.attention import masked_metadata, padded_positions
 from augury.core.kv_cache import KVCache, slot_of
 from augury.core.request import Request
 from augury.models.config import TargetConfig
@@ -118,10 +118,9 @@ class Eagle3Proposer:
                 h_in[j, :n] = feats[i][done[i] : done[i] + n]
                 toks[j, :n] = torch.tensor(r.all_token_ids[start + 1 : start + 1 + n])
             ctx = [r.draft_len for r in sub]
-            # a shorter row's padding repeats its last position (as the engine's prefill does): padding
-            # past a request near the context's end lay past the head's rope table (IndexError at batch 48)
-            end = torch.tensor(q_lens)[:, None] - 1
-            pos = (torch.tensor(ctx)[:, None] + torch.minimum(torch.arange(q)[None, :], end)).to(self.device)
+            # a shorter row's padding repeats its last position, as in the engine's prefill (past a request
+            # near the context's end it lay past the head's rope table: IndexError at batch 48)
+            pos = padded_positions(ctx, q_lens, q).to(self.device)
             batch = masked_metadata([self.head_table(r) for r in sub], ctx, q_lens, q, bs, self.device)
             out, k, v = self._forward(toks.to(self.device), head.fc(h_in), pos, batch)
             for j, i in enumerate(rows):
