@@ -221,10 +221,11 @@ def test_aux_layer_convention(ckpts):
         hs = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
     want = torch.cat([hs[1], hs[3], hs[4]], dim=-1)[0]
     eng = llm.engine
-    rid = eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0))
+    rid = eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0))
     req = eng.requests[rid]
-    eng.step()  # the prefill captures the features
-    got = torch.cat(req.pending_aux)
+    eng.step()  # the prefill captures the features (the request stays: one token still to come)
+    skip, got = eng.take_features(req)
+    assert skip == 0
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

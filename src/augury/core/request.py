@@ -29,9 +29,9 @@ class Request:
     [num_computed, end) and, when end reaches num_tokens, samples the next one; decoding
     is the case num_computed == num_tokens - 1 (one token in), prefill any longer run.
     The draft head has seen (hidden_p, token_{p+1}) pairs for p < draft_len; the target
-    features of positions draft_len .. num_computed-1 wait in pending_aux until the next
-    drafting pass consumes them (catch-up after steps without speculation), bar the oldest
-    draft_skip ones when more than a window piled up.
+    features of positions draft_len .. num_computed-1 wait in the engine's feature store
+    (core/features.py) until the next drafting pass consumes them (catch-up after steps
+    without speculation), bar the oldest draft_skip ones when more than a window piled up.
 
     A prefix-cache hit at admission starts num_computed (and draft_len) at the hit: the head
     reads, at those positions, the head KV whoever computed the blocks wrote there if they
@@ -71,9 +71,12 @@ class Request:
         self._uniforms: list[float] = []
         self.spec_stats = SpecStats()
         self.draft_len = 0
-        self.pending_aux: list[torch.Tensor] = []  # each [n, aux_dim], positions draft_len + draft_skip..
-        self.num_pending = 0  # rows held in pending_aux
+        # target features of the positions draft_len + draft_skip .. num_computed - 1 wait in the engine's
+        # core.features.FeatureStore, in slot feat_slot (feat_epoch: the store's buffer they were written to)
+        self.num_pending = 0  # positions whose features are held
         self.draft_skip = 0  # oldest pending positions dropped (beyond the window): the head never sees them
+        self.feat_slot: int | None = None
+        self.feat_epoch = 0
         self.draft_blocks_offered = 0  # leading full blocks whose head KV the proposer has offered to others
         self.num_emitted = 0  # output tokens already reported to the caller
         self.num_emitted_chars = 0  # output text already reported to the caller
@@ -107,29 +110,6 @@ class Request:
     def is_prefilling(self) -> bool:
         # a step always feeds tokens [num_computed, num_tokens); decoding feeds exactly one
         return self.num_computed < self.num_tokens - 1
-
-    def add_pending(self, feats: torch.Tensor, window: int) -> None:
-        """Keep the target features [n, aux_dim] the draft head has not seen, at most `window`
-        of them: a long stretch without speculation then costs a bounded catch-up."""
-        self.pending_aux.append(feats)
-        self.num_pending += feats.shape[0]
-        while self.num_pending > window:
-            extra = self.num_pending - window
-            first = self.pending_aux[0]
-            if first.shape[0] <= extra:
-                self.pending_aux.pop(0)
-                dropped = first.shape[0]
-            else:
-                self.pending_aux[0] = first[extra:]
-                dropped = extra
-            self.num_pending -= dropped
-            self.draft_skip += dropped
-
-    def take_pending(self) -> tuple[int, torch.Tensor]:
-        """(positions skipped, features [n, aux_dim]) and forget them."""
-        skip, feats = self.draft_skip, torch.cat(self.pending_aux) if len(self.pending_aux) > 1 else self.pending_aux[0]
-        self.pending_aux, self.num_pending, self.draft_skip = [], 0, 0
-        return skip, feats
 
     def uniforms(self, start: int, n: int) -> list[float]:
         """The uniforms of output positions start .. start+n-1: output token j of a sampled request is
@@ -165,8 +145,7 @@ class Request:
         self.num_registered = 0
         self.num_cached_blocks = 0
         self.draft_len = 0
-        self.pending_aux = []
-        self.num_pending = 0
+        self.num_pending = 0  # its features slot stays; what it held is stale
         self.draft_skip = 0
         self.draft_blocks_offered = 0
         self.status = Status.WAITING

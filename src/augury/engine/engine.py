@@ -18,6 +18,7 @@ from augury.config import EngineConfig
 from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 from augury.engine.detokenizer import IncrementalDetokenizer
+from augury.core.features import FeatureStore
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.request import Request, Status
 from augury.engine.sampler import sample
@@ -87,6 +88,7 @@ class Engine:
         self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
+        self.features = FeatureStore()  # target features the proposer has not read yet (EAGLE-3)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._grammar = None  # structured.GrammarBackend, made at the first request with a grammar
         self._grammar_lock = threading.Lock()
@@ -140,6 +142,8 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+        if req is not None:
+            self.features.release(req)
         if req is not None and req.status is not Status.FINISHED:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
@@ -232,8 +236,13 @@ class Engine:
     def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None:
         """The next n tokens of req are in the cache; features [n, A] are their target features."""
         if features is not None:
-            req.add_pending(features, self.speculator.catch_up_window)
+            self.features.add(req, features, self.speculator.catch_up_window)
         req.num_computed += n
+
+    def take_features(self, req: Request) -> tuple[int, torch.Tensor]:
+        """(positions dropped past the window, the target features [n, A] held for req's positions
+        num_computed - n .. num_computed - 1), forgotten here."""
+        return self.features.take(req)
 
     # ------------------------------------------- what speculation may do (speculative.interface.TargetHost)
     @property
@@ -325,8 +334,10 @@ class Engine:
         logits = self.model.logits(hidden[:, 0])  # [B, V]
         toks = sample(logits, reqs)
         lps = self._logprobs(logits, reqs, toks)
+        if aux is not None:  # the whole batch's features in one copy
+            self.features.add_step(reqs, aux[:, 0], self.speculator.catch_up_window)
         for i, (r, tok) in enumerate(zip(reqs, toks)):
-            self.advance(r, 1, aux[i, :1] if aux is not None else None)
+            self.advance(r, 1, None)
             self.commit(r, [tok], [lps[i]] if lps[i] is not None else None)
 
     # ------------------------------------------------------------------ commit
@@ -407,4 +418,5 @@ class Engine:
             if req.finish_reason is not None:
                 self.requests.pop(req.request_id, None)
                 self._detok.pop(req.request_id, None)
+                self.features.release(req)
         return outs

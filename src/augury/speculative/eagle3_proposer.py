@@ -87,7 +87,7 @@ class Eagle3Proposer:
         feats, skipped = [], []
         for r in reqs:
             self._withdraw(r, r.num_computed)
-            skip, f = r.take_pending()
+            skip, f = host.take_features(r)
             if skip:  # positions dropped past the window: the head attends to zeros there
                 table = self.head_table(r)
                 skipped.extend(slot_of(table, p, bs) for p in range(r.draft_len, r.draft_len + skip))

@@ -37,6 +37,11 @@ class TargetHost(Protocol):
 
     def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None: ...
 
+    def take_features(self, req: Request) -> tuple[int, torch.Tensor]:
+        """(positions dropped past the window, the target features [n, A] of req's last n computed
+        positions that no one has read), forgotten by the host."""
+        ...
+
     def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int: ...
 
     def thread_trials(self) -> int:
