@@ -143,7 +143,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
         if req is not None:
-            self.features.release(req)
+            self.features.release(req)  # its slot serves the next request
         if req is not None and req.status is not Status.FINISHED:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
