@@ -69,31 +69,6 @@ def test_a_probe_of_hopeless_drafting_stops_after_one_timed_step(ratio, stops):
         assert nxt == TREE and bk.probe == TREE.num_steps
 
 
-def test_a_probe_judges_drafting_on_the_requests_own_acceptance_not_a_tried_requests_guess():
-    """A new request is due for a try and drafts on an optimistic guess; a probe of drafting's time
-    that it takes part in still stops once, at the acceptance learned so far (low here), drafting
-    clearly loses: after its third timed step, not its last (PROBE_STEPS)."""
-    from augury.speculative.arms import PROBE_STEPS
-
-    policy = AdaptivePolicy(TREE, None)
-    for accepted in (2, 1, 0):  # about one draft accepted a step
-        _accept(policy, TREE, accepted, 10)
-    teach_times(policy, 1, 0.040, {})
-    req = _reqs(1)
-    drafted = 0
-    for _ in range(PROBE_STEPS + 2):
-        plan = policy.plan(req)
-        if plan.shape is None:
-            break
-        drafted += 1
-        # 3 plain steps a drafting step: at full acceptance (4 tokens) it would pay, at the guess
-        # (0.75 a level) within PROBE_CLEAR of plain, at what was learned (~1 token) clearly not
-        policy.observe(1, plan.shape, 0.120, [1], offered=[TREE.num_steps], reqs=req,
-                       sizes=[TREE.num_draft_tokens])
-    assert drafted == 3 and policy.buckets[1].probe is None
-    assert policy.own[req[0]].due()  # still due for its try
-
-
 def test_each_batch_bucket_decides_from_its_own_measurements():
     """Verification cheap at small batches and dear at large ones: the crossover is where the
     measurements put it, bucket by bucket."""

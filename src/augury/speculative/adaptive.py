@@ -207,7 +207,7 @@ class AdaptivePolicy(Acceptance):
         depths = self.depths()
         times = bk.times(depths, self.max_shape.num_steps)
         if bk.probe is not None:
-            if not bk.probe_done() and not self._hopeless(bk, b, times, caps, regular):
+            if not bk.probe_done() and not self._hopeless(bk, b, times, caps, expected):
                 bk.probe_left -= 1
                 pick = self._whole(bk.probe, caps, expected)
                 rows = self._best(b, times, caps, expected)[2] if bk.on else self._probe_rows(caps, regular)
@@ -304,10 +304,7 @@ class AdaptivePolicy(Acceptance):
         decoding's tokens per second (a spike of a shared machine rarely doubles one whole step, and a
         wrong call costs one back-off; on an AVX2 EPYC a tree at batch 16 costs ~9 plain steps, so each
         probe step is ~8 plain steps lost); after two, if it could not pay at all; after three, if at the
-        requests' expected acceptance it loses to plain decoding by a clear margin: their own as learned
-        (the probe's steps included), not the optimistic guess a request due for a try drafts on (new
-        requests are all due, and with the guess a probe at batch 1 on an AMX Xeon ran all its steps, ~3%
-        of the pass that held it, against a drafting step ~4x a plain one)."""
+        requests' expected acceptance it loses to plain decoding by a clear margin."""
         fresh, t0 = bk.arm(bk.probe).fresh, times[0]
         if t0 is None or not fresh:
             return False
