@@ -88,7 +88,7 @@ class FeatureStore:
         one indexed copy. (Every step pays for what it does here, and right after a forward that
         streamed the weights through every cache level each torch call costs several times its
         isolated time: at batch 4 on an AVX2 EPYC, two index tensors and an index_put_ took ~150 us of
-        an 11 ms step, ~1.4%; one index tensor and an index_copy_ into the flat view less.)"""
+        an 11 ms step, ~1.4%; one index tensor and an index_copy_ into the flat view ~110 us.)"""
         feats = self._prepare(feats, window)
         w = self.window
         rows = [self._slot(r) * w + r.num_computed % w for r in reqs]
