@@ -142,9 +142,10 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
-        if req is not None:
-            self.features.release(req)  # its slot serves the next request
-        if req is not None and req.status is not Status.FINISHED:
+        if req is None:
+            return
+        self.features.release(req)  # its slot serves the next request
+        if req.status is not Status.FINISHED:
             req.finish_reason = "abort"
             self.scheduler.remove(req)
 
