@@ -74,3 +74,38 @@ def test_features_arrive_in_the_buffers_dtype():
     r.num_computed += 1
     _, got = store.take(r)
     assert got.dtype == torch.bfloat16 and got[:, 0].tolist() == [1.0, 1.0, 2.0]
+
+
+def test_a_forward_writing_the_rows_step_rows_names_equals_add_step():
+    """step_rows tells a forward where each request's decode features go (the fused kernel writes
+    them there); after kept_step the store holds what add_step would have, in a buffer that grows
+    for a request new to it, and it names no rows before the buffer exists or for another width."""
+    window = 4
+    direct, copied = FeatureStore(), FeatureStore()
+    assert direct.step_rows([_req(0)], DIM, window) is None  # no buffer yet: the forward returns them
+    pairs = []
+    for i in range(5):  # the fifth request takes a slot past the first buffer's four: it grows
+        a, b = _req(i), _req(i)
+        _advance(direct, a, 2 + i, window, i)
+        _advance(copied, b, 2 + i, window, i)
+        pairs.append((a, b))
+    assert direct.step_rows([pairs[0][0]], DIM + 1, window) is None  # another width
+    assert direct.step_rows([pairs[0][0]], DIM, window + 1) is None  # a wider window rebuilds first
+    pairs += [(_req(i), _req(i)) for i in range(5, 9)]  # none yet: slots come with the step (the 9th grows it)
+    for _ in range(6):  # past the window: the ring wraps
+        reqs_a, reqs_b = [p[0] for p in pairs], [p[1] for p in pairs]
+        feats = torch.cat([_feats([r.num_computed], int(r.request_id[1:])) for r in reqs_a])
+        slots = direct.buf.shape[0]
+        rows, index = direct.step_rows(reqs_a, DIM, window)
+        assert direct.buf.shape[0] == (16 if _ == 0 else slots)
+        assert rows.data_ptr() == direct.buf.data_ptr() and index.dtype == torch.int64
+        rows[index] = feats  # what the forward does
+        direct.kept_step(reqs_a, window)
+        copied.add_step(reqs_b, feats, window)
+        for a, b in pairs:
+            a.num_computed += 1
+            b.num_computed += 1
+    for a, b in pairs:
+        skip_a, got_a = direct.take(a)
+        skip_b, got_b = copied.take(b)
+        assert skip_a == skip_b and torch.equal(got_a, got_b) and got_a.shape[0] == window

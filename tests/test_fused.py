@@ -157,3 +157,34 @@ def test_a_slot_outside_the_cache_is_refused(tiny_checkpoint) -> None:
         attn._fused_rows = (k, v, *bad, nkeys)
         with pytest.raises(RuntimeError, match="bad shapes"):
             model._fused.run(h, cos, sin, attn, ())
+
+
+@needs_kernels
+@pytest.mark.parametrize("layers", [False, True])
+def test_features_written_into_given_rows_equal_the_returned_ones(tiny_checkpoint, layers) -> None:
+    """aux_into (a FeatureStore's rows and an index per token): the fused kernel writes each token's
+    aux features to its row, the same bits it returns otherwise, and nothing else; the layer-by-layer
+    path copies them there; an index outside the rows is refused."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+              log_stats_interval=0)
+    model, backend = llm.engine.model, llm.engine.attention
+    model._fused = False if layers else fused.FusedStack.build(model)
+    aux_layers = (0, 1, 1)
+    width = len(aux_layers) * model.cfg.hidden_size
+    ids, pos = torch.tensor([[5], [9]]), torch.tensor([[3], [6]])
+
+    def forward(into=None):
+        attn = backend.prepare_decode([[1, 2], [3, 4]], [3, 6])
+        with torch.inference_mode():
+            return model(ids, pos, attn, aux_layers, into)
+
+    hidden, aux = forward()
+    assert aux.shape == (2, 1, width) and aux.dtype == torch.bfloat16
+    rows = torch.zeros(10, width, dtype=torch.bfloat16)
+    hidden2, none = forward((rows, torch.tensor([7, 2])))
+    assert none is None and torch.equal(hidden2, hidden)
+    assert torch.equal(rows[7], aux[0, 0]) and torch.equal(rows[2], aux[1, 0])
+    assert not rows[[0, 1, 3, 4, 5, 6, 8, 9]].any()
+    if not layers:
+        with pytest.raises(RuntimeError, match="bad shapes"):
+            forward((rows, torch.tensor([7, 10])))

@@ -96,6 +96,23 @@ class FeatureStore:
         for r in reqs:
             self._keep(r, 1, window)
 
+    def step_rows(self, reqs: list[Request], dim: int, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a decode step's features go, for the forward to write them itself (models/llama.py's
+        aux_into): (rows [slots * window, dim], index [B] int64: request b's row for its position
+        num_computed), then kept_step once written. None while the buffer holds no features of width
+        dim and at least `window` positions (add_step builds it)."""
+        buf = self.buf
+        if buf is None or buf.shape[1] < window or buf.shape[2] != dim:
+            return None
+        w = buf.shape[1]
+        index = [self._slot(r) * w + r.num_computed % w for r in reqs]  # _slot may grow the buffer: flat after
+        return self.flat, torch.tensor(index, dtype=torch.int64)
+
+    def kept_step(self, reqs: list[Request], window: int) -> None:
+        """The rows step_rows gave for reqs were written: each request holds one more position."""
+        for r in reqs:
+            self._keep(r, 1, window)
+
     def take(self, req: Request) -> tuple[int, torch.Tensor]:
         """(positions dropped past the window, the features held [num_pending, dim] in position order),
         and forget them."""

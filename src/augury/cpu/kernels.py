@@ -362,7 +362,7 @@ class Forward:
         self.nfields = _bind(self._lib, "augury_forward_nfields", [], _I32)()
         self.run = _bind(self._lib, "augury_forward_layers",
                          [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P, _P, _I64, _P, _P,
-                          _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32], _I32)
+                          _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I32], _I32)
 
 
 def _rounding_self_check(k: W4A8 | W8A8) -> None:
@@ -420,7 +420,7 @@ def _forward_self_check(k: Forward) -> None:
     out = torch.empty(1, 32, dtype=torch.bfloat16)
     none, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
     rc = k.run(h.data_ptr(), 1, 32, 1, 1, 32, 32, 0, 0.0, none.data_ptr(), None, None, 32, none.data_ptr(),
-               none.data_ptr(), one.data_ptr(), 1, None, None, None, 0, None, w.data_ptr(), out.data_ptr(), 1)
+               none.data_ptr(), one.data_ptr(), 1, None, None, None, 0, None, None, 0, w.data_ptr(), out.data_ptr(), 1)
     if rc or not torch.allclose(out.float(), h / (12.5 ** 0.5) * 2.0, rtol=1e-2):
         raise KernelUnavailable(f"self-check failed ({k.path})")
 

@@ -121,11 +121,12 @@ class ShardedTarget(nn.Module):
             self._embed = load_embedding(self._folder, w.dtype, w.device)
         return self._embed
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, aux_layers: tuple[int, ...] = ()):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, aux_layers: tuple[int, ...] = (),
+                aux_into: tuple[torch.Tensor, torch.Tensor] | None = None):
         if not isinstance(attn, _Replayed):
             raise TypeError("a tensor-parallel target runs attention its ReplayedBackend prepared")
         self.group.send(("forward", attn.call, input_ids.cpu(), positions.cpu()))
-        return self.local(input_ids, positions, attn.inner, aux_layers)
+        return self.local(input_ids, positions, attn.inner, aux_layers, aux_into)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]: every rank its vocabulary rows, gathered here."""

@@ -195,9 +195,11 @@ class Engine:
 
     # ---------------------------------------------------------- target forwards
     def run_target(self, reqs: list[Request], rows: list[list[int]], positions: torch.Tensor,
-                   attn: PagedAttention, aux: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   attn: PagedAttention, aux: bool, aux_into: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward: request b feeds rows[b] at positions[b] ([B, Q], on the CPU), attention as
-        prepared by the backend. Returns (hidden [B, Q, H], aux features [B, Q, A] or None)."""
+        prepared by the backend. Returns (hidden [B, Q, H], aux features [B, Q, A] or None); with
+        aux_into (FeatureStore.step_rows) the features are written there and None comes back."""
         if int(positions.max()) > self.max_position:
             raise ValueError(f"position {int(positions.max())} is past the largest this engine computes "
                              f"({self.max_position}): a caller let a request grow past its context")
@@ -206,6 +208,8 @@ class Engine:
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r)
         layers = self.speculator.aux_layers if (aux and self.speculator is not None) else ()
+        if aux_into is not None and layers:
+            return self.model(ids.to(self.device), positions.to(self.device), attn, layers, aux_into)
         return self.model(ids.to(self.device), positions.to(self.device), attn, layers)
 
     def verify_forward(self, reqs: list[Request], tokens: torch.Tensor, parents: torch.Tensor,
@@ -330,12 +334,19 @@ class Engine:
         reqs = batch.requests
         ctx = [r.num_computed for r in reqs]
         attn = self.attention.prepare_decode([r.block_table for r in reqs], ctx)
+        wants = self._wants_aux(reqs)
+        # the forward writes the batch's features straight into the store's rows where it can (the fused
+        # kernel, at no cost of its own); else they come back and are stored in one indexed copy
+        into = self.features.step_rows(reqs, len(self.speculator.aux_layers) * self.model.cfg.hidden_size,
+                                       self.speculator.catch_up_window) if wants else None
         hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
-                                      self._wants_aux(reqs))
+                                      wants, into)
         logits = self.model.logits(hidden[:, 0])  # [B, V]
         toks = sample(logits, reqs)
         lps = self._logprobs(logits, reqs, toks)
-        if aux is not None:  # the whole batch's features in one copy
+        if into is not None:
+            self.features.kept_step(reqs, self.speculator.catch_up_window)
+        elif aux is not None:  # the whole batch's features in one copy
             self.features.add_step(reqs, aux[:, 0], self.speculator.catch_up_window)
         for i, (r, tok) in enumerate(zip(reqs, toks)):
             self.advance(r, 1, None)

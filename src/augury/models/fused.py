@@ -126,7 +126,8 @@ def _tp_entry(kernel: cpu_kernels.Forward):
         try:
             fn = getattr(ctypes.CDLL(key), "augury_forward_tp")
             fn.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P, _P, _I64, _P, _P, _P,
-                           _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64]
+                           _I64, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I32, _P, _I64, _I64, _P, _I64, _I64, _I64, _P,
+                           _I64]
             fn.restype = _I32
         except (OSError, AttributeError):
             fn = None
@@ -197,11 +198,14 @@ class FusedStack:
                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         return FusedStack(model, kernel, torch.tensor(rows, dtype=torch.int64).contiguous(), held)
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, aux_layers: tuple[int, ...]
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, aux_layers: tuple[int, ...],
+            aux_into: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """h [B, Q, H] float32 (the embedded tokens; updated in place); cos / sin [B, Q, 1, hd]
         bfloat16. Returns (final-norm hidden [B, Q, H] bfloat16, aux [B, Q, n*H] or None), or None
-        when this step's attention is not one the kernel takes (the caller runs the layers)."""
+        when this step's attention is not one the kernel takes (the caller runs the layers). With
+        aux_into (rows [R, n*H] bfloat16, contiguous; index [B*Q] int64) token t's features go to
+        rows[index[t]] instead, and aux comes back None (see LlamaModel.forward)."""
         table = attn.fused_rows()
         b, q, hid = h.shape
         if table is None or torch.is_grad_enabled() and h.requires_grad:
@@ -212,12 +216,20 @@ class FusedStack:
         h = h.contiguous()
         cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
         aux = torch.tensor(aux_layers, dtype=torch.int32)
-        aux_out = torch.empty(b, q, len(aux_layers) * hid, dtype=torch.bfloat16) if aux_layers else None
+        if aux_into is not None and aux_layers:
+            aux_out, index = aux_into
+            if aux_out.dtype != torch.bfloat16 or aux_out.shape[-1] != len(aux_layers) * hid \
+                    or not aux_out.is_contiguous() or index.dtype != torch.int64 or index.numel() != b * q:
+                raise ValueError("aux_into: rows [R, n*H] bfloat16 (contiguous) and an int64 index per token")
+            index, cap = index.contiguous(), aux_out.shape[0]
+        else:
+            aux_out = torch.empty(b, q, len(aux_layers) * hid, dtype=torch.bfloat16) if aux_layers else None
+            index, cap = None, 0
         out = torch.empty(b, q, hid, dtype=torch.bfloat16)
         args = (h.data_ptr(), b * q, hid, self.nh, self.nkv, self.hd, self.inter, self.layers, self.eps,
                 self.table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
                 slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
-                cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out),
+                cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out), _addr(index), cap,
                 self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if self.tp is None:  # the thread count by measurement (cpu/threads.py): same bits with any
             rc = cpu_threads.choice().timed(b * q, lambda n: self.kernel.run(*args[:-1], n))
@@ -226,7 +238,7 @@ class FusedStack:
         if rc:
             raise RuntimeError(f"the fused forward kernel failed (code {rc}: "
                                f"{'bad shapes or key counts' if rc == 1 else 'out of memory'})")
-        return out, aux_out
+        return out, (None if index is not None else aux_out)
 
     def _run_sharded(self, args: tuple, n: int) -> int:
         """One rank's stack: in one call through the shared-memory exchange where it carries n floats,

@@ -210,6 +210,12 @@ class DecoderLayer(Watched, nn.Module):
         return s if bias is None else s + bias
 
 
+def _write_rows(aux_into: tuple[torch.Tensor, torch.Tensor], aux: torch.Tensor) -> None:
+    """aux [B, Q, A] into aux_into's rows [R, A] at its index [B*Q] (TargetModel.forward's aux_into)."""
+    rows, index = aux_into
+    rows.index_copy_(0, index.to(rows.device), aux.reshape(-1, aux.shape[-1]).to(rows.dtype))
+
+
 class TargetModel(Watched, nn.Module):
     """Llama-family causal LM. ``forward`` -> (normed hidden [B,Q,H], aux [B,Q,len(aux)*H] or None).
 
@@ -253,8 +259,12 @@ class TargetModel(Watched, nn.Module):
         positions: torch.Tensor,
         attn: PagedAttention,
         aux_layers: tuple[int, ...] = (),
+        aux_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # input_ids, positions [B, Q]; attn: this step's attention (an attention backend prepared it)
+        # input_ids, positions [B, Q]; attn: this step's attention (an attention backend prepared it).
+        # Returns (final-norm hidden, the aux layers' outputs side by side [B, Q, n*H] or None). With
+        # aux_into = (rows [R, n*H], index [B*Q] int64) token t's features are written to rows[index[t]]
+        # (a FeatureStore's rows: the fused kernel writes them there, no copy) and None comes back.
         h = self.embed_tokens(input_ids)
         dtype = h.dtype
         cos, sin = self.rotary(positions, dtype)
@@ -267,8 +277,13 @@ class TargetModel(Watched, nn.Module):
         if self._fused is not False:  # the whole stack in one C++ call where model and step allow
             if self._fused is None or self._fused.epoch != fused.epoch():  # none yet, or stale
                 self._fused = FusedStack.build(self) or False
-            if self._fused and (done := self._fused.run(h, cos, sin, attn, aux_layers)) is not None:
-                return done
+            direct = aux_into if aux_into is not None and aux_into[0].dtype == torch.bfloat16 else None
+            if self._fused and (done := self._fused.run(h, cos, sin, attn, aux_layers, direct)) is not None:
+                hidden, aux_out = done
+                if aux_into is not None and direct is None and aux_out is not None:
+                    _write_rows(aux_into, aux_out)
+                    aux_out = None
+                return hidden, aux_out
         captured: dict[int, torch.Tensor] = {}
         # augury's kernels in these layers run the thread count the fused stack's timed calls settled
         # on (cpu/threads.py), not whatever count its last call explored (torch's operators take it from
@@ -281,6 +296,9 @@ class TargetModel(Watched, nn.Module):
                     captured[i] = h.to(dtype)
         # in the order asked for (a layer may be named twice on very shallow targets)
         aux_out = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
+        if aux_into is not None and aux_out is not None:
+            _write_rows(aux_into, aux_out)
+            aux_out = None
         return self.norm(h), aux_out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

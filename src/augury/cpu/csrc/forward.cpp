@@ -161,6 +161,8 @@ struct Stack {
     const int32_t *aux;
     int64_t n_aux;
     uint16_t *aux_out;
+    const int64_t *aux_rows;  // null: row t's features at aux_out row t; else at row aux_rows[t] (< aux_cap)
+    int64_t aux_cap;
     const uint16_t *final_w;
     uint16_t *out;
     int nthreads;
@@ -183,6 +185,7 @@ struct Stack {
             if (nkeys[t] < 1 || nkeys[t] > W || slot_mapping[t] < 0 || slot_mapping[t] >= S) return 1;
             for (int64_t j = 0; j < nkeys[t]; j++)
                 if (slots[t * W + j] < 0 || slots[t * W + j] >= S) return 1;
+            if (aux_rows && n_aux && (aux_rows[t] < 0 || aux_rows[t] >= aux_cap)) return 1;
         }
         const int64_t Kmax = H > I ? (H > NQ ? H : NQ) : (I > NQ ? I : NQ);
         const int64_t Gmax = padded_groups(Kmax);
@@ -224,8 +227,10 @@ struct Stack {
         for (int64_t a = 0; a < n_aux; a++) {
             if (aux[a] != l) continue;
 #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t j = 0; j < H; j++) aux_out[t * n_aux * H + a * H + j] = f32_to_bf16(h[t * H + j]);
+            for (int64_t t = 0; t < T; t++) {
+                uint16_t *row = aux_out + (aux_rows ? aux_rows[t] : t) * n_aux * H + a * H;
+                for (int64_t j = 0; j < H; j++) row[j] = f32_to_bf16(h[t * H + j]);
+            }
             bar.wait();
         }
     }
@@ -347,16 +352,18 @@ bool exchange(const Exchange &ex, int64_t k) {
 // h [T, H] float32, updated in place; layers [L, NFIELD] addresses; caches [L, S, nkv, hd] bfloat16
 // (layer l at k_cache + l * layer_stride elements); slot_mapping [T]: where row t's key and value go;
 // slots [T, W] / nkeys [T]: the cache slots row t attends to (the first nkeys[t]); cos / sin [T, hd]
-// bfloat16 (a slot outside the cache is refused: return 1); aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H];
+// bfloat16 (a slot outside the cache is refused: return 1); aux [n_aux] layer indices whose output h is written, rounded, to aux_out [T, n_aux * H],
+// or, where aux_rows [T] is given, row t's to aux_out's row aux_rows[t] of aux_cap (a feature store's rows; one outside is refused);
 // out [T, H] bfloat16: the final norm of h. Returns 0, 1 for bad shapes, 2 when out of memory.
 extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh, int64_t nkv, int64_t hd,
                                      int64_t I, int64_t L, float eps, const int64_t *layers, uint16_t *k_cache,
                                      uint16_t *v_cache, int64_t layer_stride, const int64_t *slot_mapping,
                                      const int64_t *slots, const int32_t *nkeys, int64_t W, const uint16_t *cos,
                                      const uint16_t *sin, const int32_t *aux, int64_t n_aux, uint16_t *aux_out,
-                                     const uint16_t *final_w, uint16_t *out, int nthreads) {
+                                     const int64_t *aux_rows, int64_t aux_cap, const uint16_t *final_w, uint16_t *out,
+                                     int nthreads) {
     Stack st{h, T, H, nh, nkv, hd, I, L, eps, layers, k_cache, v_cache, layer_stride, slot_mapping, slots, nkeys, W,
-             cos, sin, aux, n_aux, aux_out, final_w, out, nthreads};
+             cos, sin, aux, n_aux, aux_out, aux_rows, aux_cap, final_w, out, nthreads};
     if (int rc = st.setup()) return rc;
 #pragma omp parallel num_threads(st.nthreads)
     {
@@ -379,8 +386,9 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
                                  int64_t L, float eps, const int64_t *layers, uint16_t *k_cache, uint16_t *v_cache,
                                  int64_t layer_stride, const int64_t *slot_mapping, const int64_t *slots,
                                  const int32_t *nkeys, int64_t W, const uint16_t *cos, const uint16_t *sin,
-                                 const int32_t *aux, int64_t n_aux, uint16_t *aux_out, const uint16_t *final_w,
-                                 uint16_t *out, int nthreads, float *part, int64_t s0, int64_t s1, char *shm,
+                                 const int32_t *aux, int64_t n_aux, uint16_t *aux_out, const int64_t *aux_rows,
+                                 int64_t aux_cap, const uint16_t *final_w, uint16_t *out, int nthreads, float *part,
+                                 int64_t s0, int64_t s1, char *shm,
                                  int64_t rank, int64_t size, int64_t cap, int64_t *counter, int64_t timeout_ms) {
     if (s0 < 0 || s1 > 2 * L + 1 || s0 >= s1) return 1;
     Exchange ex;
@@ -393,7 +401,7 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
         return 1;  // without the exchange each partial must go back to Python to be summed
     }
     Stack st{h, T, H, nh, nkv, hd, I, L, eps, layers, k_cache, v_cache, layer_stride, slot_mapping, slots, nkeys, W,
-             cos, sin, aux, n_aux, aux_out, final_w, out, nthreads};
+             cos, sin, aux, n_aux, aux_out, aux_rows, aux_cap, final_w, out, nthreads};
     if (int rc = st.setup()) return rc;
     bool failed = false;
     std::vector<const float *> parts(static_cast<size_t>(size > 0 ? size : 1));
