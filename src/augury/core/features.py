@@ -6,7 +6,8 @@ those of a request since it last drafted (its catch-up), at most `window` of the
 request that waited longer drafts with the older ones zeroed: Request.draft_skip counts them).
 
 One preallocated ring per request slot, [slots, window, dim]: position p of a request sits at row
-p % window of its slot, so a decode step stores the whole batch's features with one indexed copy
+p % window of its slot, so a decode step's forward writes the whole batch's features straight into
+their rows (step_rows, then kept_step; or, before the buffer exists, add_step's one indexed copy)
 and keeps no tensor of the step alive. (Kept as a list of per-step views per request, each step's
 feature tensor stayed alive until its request finished: with nothing drafting, the default engine
 ran at 0.96-0.98x of one that captured nothing, against 1.00x when the features were captured and
@@ -88,7 +89,8 @@ class FeatureStore:
         one indexed copy. (Every step pays for what it does here, and right after a forward that
         streamed the weights through every cache level each torch call costs several times its
         isolated time: at batch 4 on an AVX2 EPYC, two index tensors and an index_put_ took ~150 us of
-        an 11 ms step, ~1.4%; one index tensor and an index_copy_ into the flat view ~110 us.)"""
+        an 11 ms step, ~1.4%; one index tensor and an index_copy_ into the flat view ~110 us. The
+        engine has the forward write them itself where it can: step_rows.)"""
         feats = self._prepare(feats, window)
         w = self.window
         rows = [self._slot(r) * w + r.num_computed % w for r in reqs]
