@@ -362,6 +362,60 @@ def test_the_grammar_prunes_drafts_and_drafts_forced_tokens(plain):
     assert tok.decode(new.tokens[0].tolist()) == "abcdef" and new.depth[0].tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def _shaper(llm: LLM, so: SO):
+    from augury.structured import make_shaper
+
+    eng = llm.engine
+    return make_shaper(SamplingParams(structured_outputs=so), PROMPTS[0], vocab_size=eng.model_cfg.vocab_size,
+                       device=eng.device, tokenizer=eng.tokenizer, backend=eng.grammar)
+
+
+def test_forced_tokens_end_with_the_one_token_the_grammar_allows(plain):
+    """Jump-forward leaves out the stop token (and a last token that could merge with more text); where
+    the grammar allows one token alone there, it is drafted too, within the limit."""
+    tok = plain.tokenizer
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "abc"}
+    eos = min(plain.engine.eos_token_ids)
+    sh = _shaper(plain, SO(regex="abc"))
+    assert sh.forced_tokens() == [ids["a"], ids["b"], ids["c"], eos]
+    assert sh.forced_tokens(2) == [ids["a"], ids["b"]]
+    for c in "abc":
+        sh.commit(ids[c])
+    assert sh.forced_tokens() == [eos]  # complete: the stop token alone
+    sh2 = _shaper(plain, SO(regex="a+"))
+    sh2.commit(ids["a"])
+    assert sh2.forced_tokens() == []  # complete, but more "a" allowed: nothing forced
+    sh3 = _shaper(plain, SO(json={"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}))
+    for t in tok.encode('{"ok": false', add_special_tokens=False):
+        sh3.commit(t)
+    assert tok.decode(sh3.forced_tokens()) == "}<|im_end|>"  # the object's close, then the stop token
+    assert not sh3.terminated and sh3.forced_tokens() == sh3.forced_tokens()  # the matcher left where it was
+
+
+def test_forced_text_is_spelled_as_the_output_spelled_it(plain):
+    """Forced text the output already wrote is drafted in the output's own spelling (the target may
+    spell a key its own way each time), not the tokenizer's; a fresh request gets the tokenizer's."""
+    tok = plain.tokenizer
+    vocab = tok.get_vocab()
+    word = next(w for w in sorted(vocab) if w.isascii() and w.isalpha() and len(w) >= 4 and all(c in vocab for c in w))
+    assert tok.encode(word, add_special_tokens=False) == [vocab[word]]
+    letters = [vocab[c] for c in word]
+    eos = min(plain.engine.eos_token_ids)
+    semi = tok.encode(";", add_special_tokens=False)
+    fresh = _shaper(plain, SO(regex=f"{word};{word}"))
+    for t in [vocab[word]] + semi:
+        fresh.commit(t)
+    assert fresh.forced_tokens() == [vocab[word], eos]
+    own = _shaper(plain, SO(regex=f"{word};{word}"))
+    for t in letters + semi:
+        own.commit(t)
+    assert own.forced_tokens() == letters + [eos]
+    for t in letters:  # the output's spelling is looked up in committed tokens, not in pushed ones
+        own.push(t)
+    own.pop_all()
+    assert own.forced_tokens() == letters + [eos]
+
+
 def test_forced_drafts_keep_a_requests_own_draft_cap(plain, spec):
     params = SamplingParams(max_tokens=120, temperature=0.0, max_draft_tokens=2,
                             structured_outputs=SO(json=SCHEMAS["enums-and-bools"]))

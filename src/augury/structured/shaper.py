@@ -9,9 +9,11 @@ greedy speculative output under any of these equals greedy plain output.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from augury.sampling import argmax_ids
@@ -69,6 +71,10 @@ class RequestShaper:
         self._newly_seen: list[int] = []  # pushed tokens that set a `seen` flag (cleared on pop)
         self._matched = 0  # pushed tokens the matcher accepted (rolled back on pop)
         self._off_grammar = False  # a pushed token the grammar refused: no mask past it (never committed)
+        # a grammar's requests: the output's bytes and each token's first byte in them (forced_tokens
+        # spells forced text as the output last did)
+        self._text: bytearray | None = bytearray() if self.matcher is not None else None
+        self._starts: list[int] = []
 
     # ----------------------------------------------------------------- shaping
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -128,6 +134,10 @@ class RequestShaper:
     # ----------------------------------------------------------------- state
     def _add(self, token: int) -> None:
         self.output.append(token)
+        if self._text is not None:
+            self._starts.append(len(self._text))
+            vocab = self.backend.token_bytes
+            self._text += vocab[token] if token < len(vocab) else b""
         if self.counts is not None:
             self.counts[token] += 1
         if self.seen is not None and not bool(self.seen[token]):
@@ -151,6 +161,9 @@ class RequestShaper:
             return
         undone = self.output[-self._pushed:]
         del self.output[-self._pushed:]
+        if self._text is not None:
+            del self._text[self._starts[-self._pushed]:]
+            del self._starts[-self._pushed:]
         if self.counts is not None:
             self.counts.index_add_(0, torch.tensor(undone, dtype=torch.long, device=self.device),
                                    torch.full((len(undone),), -1.0, device=self.device))
@@ -180,36 +193,124 @@ class RequestShaper:
     def forced_tokens(self, limit: int = MAX_FORCED) -> list[int]:
         """Tokens the grammar forces from the current state (jump-forward), at most `limit`.
 
-        The forced text is tokenized as the model's tokenizer writes it (the target was trained on
-        that: xgrammar's own greedy longest-match tokens split e.g. SmolLM2's "hobbies" as ho|bb|ies
-        where the tokenizer, and the model under the mask, write h|ob|bies), as far as xgrammar's
-        tokens reach (past that a token could still merge with the text the model writes next),
-        each token checked with the matcher; xgrammar's tokens where the two disagree."""
+        The forced text is spelled as this request's output last spelled the same text (a key repeated
+        in an array of objects: the target wrote SmolLM2's "grams" as g|rams after ' "' where the
+        tokenizer writes one token, refused each time), or as the model's tokenizer writes it where
+        that reaches further (the target was trained on that: xgrammar's own greedy longest-match
+        tokens split e.g. SmolLM2's "hobbies" as ho|bb|ies where the tokenizer, and the model under
+        the mask, write h|ob|bies), as far as xgrammar's tokens reach (past that a token could still
+        merge with the text the model writes next), each token checked with the matcher; xgrammar's
+        tokens where neither spelling holds. Where jump-forward stops short of the forced text (its last
+        token could merge with more) or the grammar is complete, and the grammar allows one token alone
+        there (an object's closing '}', the stop token, which jump-forward leaves out), that token is
+        drafted too, and jump-forward goes on from it: an answer's last step is drafted with its
+        closing text and its stop token."""
         m = self.matcher
         if m is None or self._off_grammar or m.is_terminated() or limit <= 0:
             return []
-        fallback = list(m.find_jump_forward_tokens())
+        out: list[int] = []
+        while len(out) < limit and not m.is_terminated():
+            text = m.find_jump_forward_string().encode()
+            part = self._jump(text, limit - len(out)) if text else []
+            if not part and (text or m.is_completed()):
+                sole = self._sole_token()  # e.g. '}' that xgrammar left out (it could merge), or the stop token
+                part = [sole] if sole is not None else []
+            n = 0
+            for t in part:
+                if not m.accept_token(t):
+                    break
+                n += 1
+            out += part[:n]
+            if not part or n < len(part):
+                break
+        if out:
+            m.rollback(len(out))
+        return out
+
+    def _jump(self, text: bytes, limit: int) -> list[int]:
+        """The tokens forced_tokens drafts for the matcher's jump-forward text (not accepted)."""
+        fallback = list(self.matcher.find_jump_forward_tokens())
         if not fallback:
             return []
         vocab = self.backend.token_bytes
         safe = sum(len(vocab[t]) for t in fallback)  # bytes xgrammar deems safe to force
-        text = m.find_jump_forward_string()
-        ids, seen = [], 0
-        for t in self.backend.tokenizer.encode(text, add_special_tokens=False):
+        out, covered = fallback[:limit], -1
+        encoded = self._encoded(text, safe, limit)
+        for ids in (self._respelled(text[:safe], encoded, limit), encoded):
+            n = sum(len(vocab[t]) for t in ids)
+            # the output's own spelling unless the tokenizer's reaches further
+            if ids and n > covered and b"".join(vocab[t] for t in ids) == text[:n] and self._accepts(ids):
+                out, covered = ids, n
+        return out
+
+    def _accepts(self, ids: list[int]) -> bool:
+        """Whether the matcher takes ids one after another from its state (left unchanged)."""
+        m, n = self.matcher, 0
+        for t in ids:
+            if not m.accept_token(t):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n == len(ids)
+
+    def _encoded(self, text: bytes, safe: int, limit: int) -> list[int]:
+        """text as the tokenizer writes it, the tokens within its first `safe` bytes (at most limit)."""
+        vocab, ids, seen = self.backend.token_bytes, [], 0
+        for t in self.backend.tokenizer.encode(text.decode("utf-8", "replace"), add_special_tokens=False):
             seen += len(vocab[t]) if t < len(vocab) else safe + 1
             if seen > safe or len(ids) == limit:
                 break
             ids.append(t)
-        accepted = 0
-        for t in ids:
-            if not m.accept_token(t):
-                break
-            accepted += 1
-        if accepted:
-            m.rollback(accepted)
-        if accepted < len(ids) or not ids or b"".join(vocab[t] for t in ids) != text.encode()[: sum(len(vocab[t]) for t in ids)]:
-            return fallback[:limit]
         return ids
+
+    def _respelled(self, text: bytes, encoded: list[int], limit: int) -> list[int]:
+        """text spelled as the output last spelled it from its start or, failing that, from a later
+        token of its encoding (the encoding's tokens before it kept); [] when the output never did."""
+        vocab, at = self.backend.token_bytes, 0
+        for i in range(len(encoded) + 1):
+            tail = self._spelled(text[at:], limit - i)
+            if tail:
+                return encoded[:i] + tail
+            if i < len(encoded):
+                at += len(vocab[encoded[i]])
+        return []
+
+    def _spelled(self, text: bytes, limit: int) -> list[int]:
+        """The tokens of this request's output that last spelled `text` from a token's start, those
+        within it (at most limit); [] when the output has not written it so."""
+        buf, starts = self._text, self._starts
+        if not text or buf is None:
+            return []
+        end = len(buf)
+        for _ in range(4):  # the latest few occurrences
+            at = buf.rfind(text, 0, end)
+            if at < 0:
+                return []
+            i = bisect.bisect_left(starts, at)
+            if i < len(starts) and starts[i] == at:
+                ids, stop = [], at + len(text)
+                for j in range(i, min(len(starts), i + limit)):
+                    nxt = starts[j + 1] if j + 1 < len(starts) else len(buf)
+                    if nxt > stop:
+                        break
+                    ids.append(self.output[j])
+                return ids
+            end = at + len(text) - 1
+        return []
+
+    def _sole_token(self) -> int | None:
+        """The one token the grammar allows at the matcher's state, None when it allows more (or none)."""
+        t0 = time.perf_counter()
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        words = np.flatnonzero(self._bits[0])
+        tok = None
+        if len(words) == 1:
+            w = int(self._bits[0, words[0]]) & 0xFFFFFFFF
+            if w & (w - 1) == 0:
+                tok = int(words[0]) * 32 + w.bit_length() - 1
+        self.stats.mask_seconds += time.perf_counter() - t0
+        return tok if tok is not None and tok < self.vocab_size else None
 
     def plan_tree(self, tokens: Sequence[int], parents: Sequence[int], size: int,
                   capacity: int) -> tuple[list[int], list[tuple[int, list[int]]]]:
