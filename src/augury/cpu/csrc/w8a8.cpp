@@ -118,9 +118,9 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                 const int8_t *pw = w + p * G * W8_PANEL_BYTES;
                 const float *ps = s + p * G * PANEL;
                 const int64_t nc = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-                for (int64_t m0 = t0; m0 < t1; m0 += ROW_BLOCK) {
-                    const int r = t1 - m0 < ROW_BLOCK ? static_cast<int>(t1 - m0) : ROW_BLOCK;
-                    float out[ROW_BLOCK * PANEL];
+                for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
+                    r = block_rows(t1 - m0);  // w4a8.h: as few register blocks as fit, as even as they go
+                    float out[ROW_BLOCK_MAX * PANEL];
                     const int8_t *xr = a.xq + m0 * K;
                     const float *dr = a.dx + m0 * G;
                     const int32_t *ir = a.xsum + m0 * G;
@@ -128,12 +128,12 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
 #define AUGURY_ROWS(n) \
     case n: panel8<n>(pw, ps, G, G, xr, dr, ir, K, out); break;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-                        AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
+                        AUGURY_ROWS(8) AUGURY_ROWS(7)
 #endif
-                        AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+                        AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
 #undef AUGURY_ROWS
                     }
-                    for (int i = 0; i < r; i++)
+                    for (int64_t i = 0; i < r; i++)
                         for (int64_t c = 0; c < nc; c++) y[(m0 + i) * N + p * PANEL + c] = out[i * PANEL + c];
                 }
             }
