@@ -119,7 +119,7 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                 const float *ps = s + p * G * PANEL;
                 const int64_t nc = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
                 for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
-                    r = block_rows(t1 - m0);  // w4a8.h: as few register blocks as fit, as even as they go
+                    r = block_rows(t1 - m0);  // w4a8.h: blocks of ROW_BLOCK, the last rows together where they fit
                     float out[ROW_BLOCK_MAX * PANEL];
                     const int8_t *xr = a.xq + m0 * K;
                     const float *dr = a.dx + m0 * G;
