@@ -215,11 +215,7 @@ class RequestShaper:
             if not part and (text or m.is_completed()):
                 sole = self._sole_token()  # e.g. '}' that xgrammar left out (it could merge), or the stop token
                 part = [sole] if sole is not None else []
-            n = 0
-            for t in part:
-                if not m.accept_token(t):
-                    break
-                n += 1
+            n = self._advance(part)
             out += part[:n]
             if not part or n < len(part):
                 break
@@ -243,15 +239,21 @@ class RequestShaper:
                 out, covered = ids, n
         return out
 
-    def _accepts(self, ids: list[int]) -> bool:
-        """Whether the matcher takes ids one after another from its state (left unchanged)."""
+    def _advance(self, ids: Sequence[int]) -> int:
+        """Feed ids to the matcher until it refuses one or has ended; how many it took (the caller
+        rolls them back)."""
         m, n = self.matcher, 0
         for t in ids:
-            if not m.accept_token(t):
+            if m.is_terminated() or not m.accept_token(t):
                 break
             n += 1
+        return n
+
+    def _accepts(self, ids: list[int]) -> bool:
+        """Whether the matcher takes ids one after another from its state (left unchanged)."""
+        n = self._advance(ids)
         if n:
-            m.rollback(n)
+            self.matcher.rollback(n)
         return n == len(ids)
 
     def _encoded(self, text: bytes, safe: int, limit: int) -> list[int]:
@@ -354,11 +356,7 @@ class RequestShaper:
             while n > 0:
                 path.append(tokens[n])
                 n = parents[n]
-            ok = 0
-            for t in reversed(path):
-                if m.is_terminated() or not m.accept_token(t):
-                    break
-                ok += 1
+            ok = self._advance(path[::-1])
             if ok == len(path):
                 forced = self.forced_tokens(room)
                 if forced and forced[0] not in first_kid.get(node, ()):

@@ -266,7 +266,7 @@ inline int block_rows(int64_t rest) { return rest <= ROW_BLOCK_MAX ? static_cast
 
 // y[m, n] for every row and column (N a multiple of PANEL); store.row16(m, n0, v) receives y[m, n0 ..
 // n0 + 15] in float32 (no bias added), n0 a multiple of 16. Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
-// while its rows go by ROW_BLOCK at a time, ROW_TILE rows' activations staying in cache.
+// while its rows go by in register blocks (block_rows), ROW_TILE rows' activations staying in cache.
 template <class Store>
 inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *s, const uint16_t *z,
                     int64_t N, Store store, augury::Barrier &bar) {
