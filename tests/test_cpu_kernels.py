@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,34 @@ def test_w8a8_matches_its_reference_and_is_row_count_invariant() -> None:
                 assert torch.equal(k8.linear(x[r : r + 1], codes, scale, 40), got[r : r + 1])
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_w8a8_columns_are_the_whole_rows_bits_at_those_columns() -> None:
+    """augury_w8a8_columns (a grammar's few allowed tokens): each row's chosen columns, in any order,
+    repeated or none, equal the whole product's values bit for bit, for bfloat16 and float32 rows,
+    columns in the last, short panel included; an id outside the columns is a ValueError."""
+    k8 = cpu_kernels.w8a8()
+    g = torch.Generator().manual_seed(11)
+    n = 200  # 13 panels, the last one 8 short
+    codes, scale = k8.pack(torch.randn(n, 96, generator=g))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(5, 96, generator=g) * 4).to(dtype)
+        whole = k8.linear(x, codes, scale, n)
+        ids = [torch.randint(0, n, (40,), generator=g).numpy(), np.array([], dtype=np.int64),
+               np.array([199, 0, 192, 199, 7]), np.arange(n), [3, 5]]
+        got = k8.columns(x, codes, scale, n, ids)
+        assert len(got) == 5
+        for row, (want_ids, vals) in enumerate(zip(ids, got)):
+            assert vals.dtype == torch.float32
+            assert torch.equal(vals, whole[row, torch.as_tensor(np.asarray(want_ids, dtype=np.int64))]), (dtype, row)
+        one = k8.columns(x[2:3], codes, scale, n, [ids[2]])
+        assert torch.equal(one[0], got[2])
+    for bad in ([np.array([n])], [np.array([-1])]):
+        with pytest.raises(ValueError, match="column"):
+            k8.columns(x[:1], codes, scale, n, bad)
+    with pytest.raises(ValueError, match="id lists"):
+        k8.columns(x[:2], codes, scale, n, [[1]])
 
 
 @needs_kernel

@@ -334,6 +334,79 @@ def test_a_shapers_greedy_token_is_the_argmax_of_its_shaped_row(plain):
     assert sh.stats.masked_tokens > applied
 
 
+def test_a_shapers_allowed_ids_are_the_tokens_its_mask_leaves(plain):
+    """RequestShaper.allowed_ids: the tokens apply() leaves finite (sorted), at the committed state and
+    along a pushed path, the same after a forced-token lookup filled the bitmask elsewhere; None where
+    more are allowed than the limit, where no grammar shapes the row and past the grammar's end."""
+    from augury.structured import make_shaper
+
+    eng = plain.engine
+    tok, v = eng.tokenizer, eng.model_cfg.vocab_size
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={7: 2.0},
+                            structured_outputs=SO(regex="(ab|cd)-[0-9]{1,2}"))
+    sh = make_shaper(params, PROMPTS[0], vocab_size=v, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    seen = 0
+    for text in ("", "ab", "ab-", "ab-1"):
+        for t in tok.encode(text, add_special_tokens=False) if text else []:
+            sh.push(t)
+        want = sh.apply(torch.zeros(v)).isfinite().nonzero().flatten()
+        sh.forced_tokens(8)  # fills the bitmask at other states, and rolls back
+        ids = sh.allowed_ids(v)
+        assert ids is not None and ids.tolist() == want.tolist(), text
+        assert 0 < len(ids) < v
+        assert sh.allowed_ids(len(ids) - 1) is None
+        row = torch.full((v,), float("-inf"))
+        row[torch.as_tensor(ids)] = torch.randn(len(ids))
+        whole = torch.randn(v)
+        whole[torch.as_tensor(ids)] = row[torch.as_tensor(ids)]
+        assert torch.equal(sh.apply(row.clone()), sh.apply(whole.clone()))  # a row at those tokens alone shapes alike
+        seen += len(ids)
+        sh.pop_all()
+    assert seen
+    for t in tok.encode("cd-42", add_special_tokens=False):
+        sh.commit(t)
+    ended = sh.allowed_ids(v)  # only the stop token is left
+    assert ended is not None and set(ended.tolist()) <= set(eng.eos_token_ids)
+    sh.commit(int(ended[0]))
+    assert sh.allowed_ids(v) is None
+    bare = make_shaper(SamplingParams(presence_penalty=0.5), PROMPTS[0], vocab_size=v, device=eng.device,
+                       tokenizer=tok, backend=eng.grammar)
+    assert bare.allowed_ids(v) is None
+
+
+def test_verified_nodes_logits_at_the_allowed_tokens_alone_keep_speculation_exact(ckpts):
+    """A quantised bfloat16 target (augury's w8a8 output layer): verification computes a node's logits
+    at the few tokens its grammar allows (TargetModel.masked_logits), and greedy speculative output
+    still equals plain greedy output under each schema, the forced-token steps included."""
+    from augury.cpu import kernels as cpu_kernels
+
+    if cpu_kernels.w8a8() is None:
+        pytest.skip("augury's w8a8 kernel is not built here")
+    common = dict(dtype="bfloat16", quantization="int4", log_stats_interval=0)
+    plain_q = LLM(str(ckpts["target"]), speculative_algorithm="none", **common)
+    spec_q = LLM(str(ckpts["target"]), draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+                 speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=6, max_num_seqs=8, **common)
+    eng = spec_q.engine
+    calls = []
+    inner = eng.masked_logits
+
+    def counted(hidden, allowed):
+        out = inner(hidden, allowed)
+        calls.append(out is not None)
+        return out
+
+    eng.masked_logits = counted
+    for name in sorted(SCHEMAS):
+        params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=SO(json=SCHEMAS[name]))
+        want = plain_q.generate(PROMPTS, params, use_tqdm=False)
+        got = spec_q.generate(PROMPTS, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            assert g.token_ids == w.token_ids, name
+    assert calls and all(calls)
+    _no_leak(spec_q)
+
+
 def test_the_grammar_prunes_drafts_and_drafts_forced_tokens(plain):
     from augury.speculative.tree import DraftTree, depth_from_parents, rebuild_rows
     from augury.structured import make_shaper

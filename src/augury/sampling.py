@@ -51,6 +51,12 @@ class LogitsShaper(Protocol):
         token at the current state."""
         ...
 
+    def allowed_ids(self, limit: int) -> np.ndarray | None:
+        """The sorted token ids a grammar's mask allows next, where it allows at most `limit` (a row whose
+        logits may then be computed at those alone, -inf elsewhere: shaping makes the same row of it);
+        None where no mask applies or it allows more."""
+        ...
+
     def push(self, token: int) -> None:
         """A verification walk accepted `token` past the current state (undone by pop_all)."""
         ...

@@ -161,6 +161,7 @@ class W8A8:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         self._fn = _bind(self._lib, "augury_w8a8_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _I32], _I32)
+        self._columns = _bind(self._lib, "augury_w8a8_columns", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _P, _P], _I32)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +210,38 @@ class W8A8:
         if rc:
             raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
+
+    def columns(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int,
+                ids: list) -> list[torch.Tensor]:
+        """Row m of x [M, K] (bfloat16 or float32, CPU) at columns ids[m] (integers in 0..n-1: a numpy
+        array, a list or a CPU tensor) ->
+        float32 values, the bits linear() gives those columns (one thread, column by column: for the
+        few tokens a grammar's mask allows, without a pass over the whole weight)."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        if len(ids) != x.shape[0]:
+            raise ValueError(f"w8a8 columns: {len(ids)} id lists for {x.shape[0]} rows")
+        x = x.contiguous()
+        m, k = x.shape
+        _expect("w8a8", "codes", codes, (torch.int8,), (None, None, 8 * PANEL * 4))
+        p, g, _ = codes.shape
+        if k != g * GROUP:
+            raise ValueError(f"w8a8: input has {k} features, the weights {g * GROUP}")
+        _expect("w8a8", "scale", scale, (torch.float32,), (p, g, PANEL))
+        if not p * PANEL - PANEL < n <= p * PANEL:
+            raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
+        flat = np.ascontiguousarray(ids[0] if m == 1 else np.concatenate(ids) if m else [], dtype=np.int64)
+        offsets = np.zeros(m + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(i) for i in ids])
+        y = np.empty(len(flat), dtype=np.float32)
+        rc = self._columns(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
+                           flat.ctypes.data, offsets.ctypes.data, y.ctypes.data)
+        if rc == 1:
+            raise ValueError(f"w8a8 columns: a column id outside 0..{n - 1}")
+        if rc:
+            raise RuntimeError("w8a8 columns: out of memory")
+        return [torch.from_numpy(v) for v in np.split(y, offsets[1:-1])] if m > 1 else [torch.from_numpy(y)]
 
 
 class BF16:

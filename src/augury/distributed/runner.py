@@ -134,6 +134,11 @@ class ShardedTarget(nn.Module):
         self.group.send(("logits", hidden))
         return self.local.logits(hidden)
 
+    def masked_logits(self, hidden: torch.Tensor, allowed: list) -> None:
+        """None: the vocabulary is split over the ranks, so chosen tokens alone are not offered (every
+        row takes logits(), the gathered whole)."""
+        return None
+
     def close(self) -> None:
         """Stop the other ranks now (also done when this object is collected, and at exit)."""
         self._closer()

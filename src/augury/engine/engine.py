@@ -11,6 +11,7 @@ import threading
 import uuid
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from augury.attention import AttentionBackend, padded_positions
@@ -257,6 +258,11 @@ class Engine:
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         return self.model.logits(hidden)
+
+    def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
+        """hidden [A, H] -> float32 logits [A, V] at each row's allowed tokens only (-inf elsewhere, the
+        bits target_logits gives them), or None where the output layer cannot (TargetModel.masked_logits)."""
+        return self.model.masked_logits(hidden, allowed)
 
     def thread_trials(self) -> int:
         """cpu/threads.py's count of calls that tried a thread count other than the chosen one."""

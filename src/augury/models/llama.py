@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +20,7 @@ from augury.models.config import TargetConfig
 from augury.models import fused
 from augury.models.fused import FusedStack, Watched
 from augury.attention.base import PagedAttention
+from augury.models.quant import W8A8OutputLinear
 from augury.models.layers import RMSNorm, Rotary, TransposedLinear, apply_rope, prefer_transposed, silu_mul
 
 
@@ -310,6 +312,20 @@ class TargetModel(Watched, nn.Module):
             out = self.lm_head(hidden).float()
         if self.tp is not None:
             return self.tp.gather_vocab(out.contiguous(), list(self.shard.vocab_sizes))
+        return out
+
+    def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
+        """hidden [A, H] -> float32 [A, V]: row a's logits at the tokens allowed[a] (int64 ids), the bits
+        logits() gives them, and -inf at every other token (what a grammar's mask leaves of logits()),
+        without a pass over the whole output layer; None where the output layer cannot compute chosen
+        columns alone (any but augury's w8a8 one, or under tensor parallelism)."""
+        head = self.lm_head
+        if self.tp is not None or not isinstance(head, W8A8OutputLinear):
+            return None
+        vals = head.columns(hidden, allowed)
+        out = torch.full((hidden.shape[0], head.out_features), float("-inf"), dtype=torch.float32)
+        for a, (ids, v) in enumerate(zip(allowed, vals)):
+            out[a, torch.from_numpy(np.asarray(ids, dtype=np.int64))] = v
         return out
 
     def prepare_for_inference(self) -> None:

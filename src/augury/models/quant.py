@@ -317,6 +317,13 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale, self.out_features)
         return y.view(*shape[:-1], self.out_features)
 
+    def columns(self, x: torch.Tensor, ids: list) -> list[torch.Tensor]:
+        """x [A, in] -> row a's outputs at columns ids[a] (float32), the bits forward() gives them."""
+        kernel = cpu_kernels.w8a8()
+        if kernel is None:
+            raise RuntimeError("this output layer was packed for augury's w8a8 kernel, which is unavailable now")
+        return kernel.columns(x, self.codes, self.scale, self.out_features, ids)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
 

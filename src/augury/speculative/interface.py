@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from augury.core.request import Request
@@ -30,6 +31,11 @@ class TargetHost(Protocol):
                        ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
+        """target_logits of hidden [A, H] at each row's allowed token ids alone, -inf elsewhere (same
+        bits), or None where the output layer cannot compute chosen tokens alone."""
+        ...
 
     def reserve(self, reqs: list[Request], lookahead: int) -> bool: ...
 

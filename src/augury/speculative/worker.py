@@ -32,6 +32,7 @@ AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
 AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
 FORCED_ONLY = 16  # most forced tokens verified per request in a step without head drafts
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
+MASKED_AT_MOST = 256  # tokens a grammar allows at a node up to which its logits are computed at those alone
 
 
 class Speculator:
@@ -172,12 +173,7 @@ class Speculator:
         dev = host.device
         # rows a budget cut short are verified packed: padding nodes cost no target rows
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
-        # Small batches: every real node's logits in one product, reading the output layer once (it
-        # is memory-bound: one row costs nearly what 256 do). Large ones: only the nodes the walk visits.
-        if sum(tree.row_sizes()) <= LOGITS_AT_ONCE:
-            logits_at = self._real_node_logits(host, hidden, tree)  # [B, N, V]
-        else:
-            logits_at = lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
+        logits_at = self._node_logits(host, hidden, tree, reqs)
         ps = [r.params for r in reqs]
         depths = tree.deepest()  # [B] deepest draft offered per request
         # a row commits at most depth + 1 tokens: the uniforms of those output positions
@@ -214,6 +210,52 @@ class Speculator:
             r.spec_stats.num_draft_tokens += sizes[b] - 1
             r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
         return accepted, offered, rows
+
+    @classmethod
+    def _node_logits(cls, host: TargetHost, hidden: torch.Tensor, tree: DraftTree, reqs: list[Request]):
+        """The target's logits at the tree's nodes, for verify: a [B, N, V] tensor or a row function.
+
+        Small batches: every real node's logits in one product, reading the output layer once (it is
+        memory-bound: one row costs nearly what 256 do); large ones: only the nodes the walk visits.
+        Where a request's grammar allows few tokens at a visited node (a key, punctuation, digits: a
+        forced step's every node, mostly), that node's logits are computed at those tokens alone
+        (TargetHost.masked_logits: the same bits, -inf elsewhere, which the mask would set anyway), and
+        the whole output layer is read only if some visited node needs it."""
+        small = sum(tree.row_sizes()) <= LOGITS_AT_ONCE
+        grammars = [r.shaper if r.shaper is not None and r.shaper.has_grammar else None for r in reqs]
+        if not any(grammars):
+            if small:
+                return cls._real_node_logits(host, hidden, tree)  # [B, N, V]
+            return lambda bs, ns: host.target_logits(hidden[bs, ns])  # noqa: E731  -> [A, V]
+        every: list[torch.Tensor] = []  # small batches: every real node's logits, once some row needs them
+        offered = [True]  # the host computes chosen tokens alone (False after its first None)
+
+        def whole(bs: list[int], ns: list[int]) -> torch.Tensor:
+            if not small:
+                return host.target_logits(hidden[bs, ns])
+            if not every:
+                every.append(cls._real_node_logits(host, hidden, tree))
+            return every[0][bs, ns]
+
+        def at(bs: list[int], ns: list[int]) -> torch.Tensor:  # -> [A, V]
+            allowed = [grammars[b].allowed_ids(MASKED_AT_MOST) if offered[0] and grammars[b] is not None else None
+                       for b in bs]
+            few = [a for a, ids in enumerate(allowed) if ids is not None]
+            if not few:
+                return whole(bs, ns)
+            part = host.masked_logits(hidden[[bs[a] for a in few], [ns[a] for a in few]], [allowed[a] for a in few])
+            if part is None:
+                offered[0] = False
+                return whole(bs, ns)
+            if len(few) == len(bs):
+                return part
+            rest = [a for a, ids in enumerate(allowed) if ids is None]
+            out = part.new_empty(len(bs), part.shape[-1])
+            out[few] = part
+            out[rest] = whole([bs[a] for a in rest], [ns[a] for a in rest])
+            return out
+
+        return at
 
     @staticmethod
     def _real_node_logits(host: TargetHost, hidden: torch.Tensor, tree: DraftTree) -> torch.Tensor:

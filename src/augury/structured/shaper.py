@@ -71,6 +71,7 @@ class RequestShaper:
         self._newly_seen: list[int] = []  # pushed tokens that set a `seen` flag (cleared on pop)
         self._matched = 0  # pushed tokens the matcher accepted (rolled back on pop)
         self._off_grammar = False  # a pushed token the grammar refused: no mask past it (never committed)
+        self._filled: bool | None = None  # the bitmask holds the current state's mask (True: it masks)
         # a grammar's requests: the output's bytes and each token's first byte in them (forced_tokens
         # spells forced text as the output last did)
         self._text: bytearray | None = bytearray() if self.matcher is not None else None
@@ -96,17 +97,47 @@ class RequestShaper:
         return tok
 
     def _mask(self, logits: torch.Tensor, unless: int | None = None) -> bool:
-        """Fill the grammar's bitmask at the current state and apply it to logits [V], unless it allows
-        token `unless`; True when it was applied. Timed into the stats."""
-        if self.matcher is None or self._off_grammar or self.matcher.is_terminated():
+        """Apply the grammar's mask at the current state to logits [V], unless it allows token `unless`;
+        True when it was applied. Timed into the stats."""
+        if not self._masking():
             return False
         t0 = time.perf_counter()
-        applied = self.matcher.fill_next_token_bitmask(self._bitmask) and (unless is None or not self._allows(unless))
+        applied = self._fill() and (unless is None or not self._allows(unless))
         if applied:
             self.backend.apply_bitmask(logits.view(1, -1), self._bitmask)
         self.stats.mask_seconds += time.perf_counter() - t0
         self.stats.masked_tokens += 1
         return applied
+
+    def _masking(self) -> bool:
+        """Whether a grammar's mask shapes the next token (not past a refused draft or the grammar's end)."""
+        return self.matcher is not None and not self._off_grammar and not self.matcher.is_terminated()
+
+    def _fill(self) -> bool:
+        """The bitmask filled at the current state (once a state); True when it refuses any token."""
+        if self._filled is None:
+            self._filled = bool(self.matcher.fill_next_token_bitmask(self._bitmask))
+        return self._filled
+
+    def allowed_ids(self, limit: int) -> np.ndarray | None:
+        """The tokens the grammar's mask allows next (sorted int64 ids), where a mask applies, covers the
+        whole vocabulary and allows at most `limit` tokens; else None. A row computed at these tokens
+        alone, -inf elsewhere (TargetModel.masked_logits), is what apply() makes of the whole row: the
+        mask sets every other token to -inf, and the penalties, bias and bad words leave -inf as it is.
+        The bitmask stays filled for the row's shaping."""
+        if not self._masking():
+            return None
+        t0 = time.perf_counter()
+        ids = None
+        if self._fill() and self._bits.shape[-1] * 32 >= self.vocab_size:
+            words = np.flatnonzero(self._bits[0])  # bit j of word i: token 32 i + j
+            held = self._bits[0, words]
+            if int(np.bitwise_count(held).sum()) <= limit:
+                row, bit = np.nonzero(np.unpackbits(held.view(np.uint8), bitorder="little").reshape(len(words), 32))
+                ids = words[row] * 32 + bit
+                ids = ids[ids < self.vocab_size]
+        self.stats.mask_seconds += time.perf_counter() - t0
+        return ids
 
     def _allows(self, token: int) -> bool:
         """Whether the filled bitmask allows `token` (bit token % 32 of word token // 32; a token past the
@@ -133,6 +164,7 @@ class RequestShaper:
 
     # ----------------------------------------------------------------- state
     def _add(self, token: int) -> None:
+        self._filled = None
         self.output.append(token)
         if self._text is not None:
             self._starts.append(len(self._text))
@@ -171,6 +203,7 @@ class RequestShaper:
             self.seen[torch.tensor(self._newly_seen, dtype=torch.long, device=self.device)] = False
         if self._matched:
             self.matcher.rollback(self._matched)
+        self._filled = None
         self._pushed = self._matched = 0
         self._newly_seen = []
         self._off_grammar = False
@@ -305,6 +338,7 @@ class RequestShaper:
         """The one token the grammar allows at the matcher's state, None when it allows more (or none)."""
         t0 = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self._bitmask)
+        self._filled = None  # filled at another state than the request's
         words = np.flatnonzero(self._bits[0])
         tok = None
         if len(words) == 1:

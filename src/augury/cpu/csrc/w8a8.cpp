@@ -13,6 +13,9 @@
 // |2 * 127 * 127| < 2^15). Then per column, in group order, acc = fma(float(dot_g), s_g * dx_g, acc):
 // the same float operations on every ISA and whatever the rows beside it and the threads (threads
 // split the panels), so rows are row-count invariant: a verified node's logits are a decode step's.
+// augury_w8a8_columns computes chosen columns only (the tokens a grammar's mask allows), one at a time
+// with those same integer sums and float operations in the same order: the same bits as the panels'.
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 
@@ -140,5 +143,45 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
         }
         bar.wait();
     });
+    return 0;
+}
+
+// Chosen columns of x [M, K] w^T: row m's columns ids[offsets[m] .. offsets[m + 1]) (each in 0..N-1)
+// into y at the same positions, float32, the bits augury_w8a8_linear gives them (one thread: meant for
+// a few hundred columns, where a pass over the whole weight costs ~1,000x more). Returns 0, 1 for bad
+// shapes or a column out of range, 2 when out of memory.
+extern "C" int augury_w8a8_columns(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *w,
+                                   const float *s, int64_t N, const int64_t *ids, const int64_t *offsets,
+                                   float *y) {
+    const int64_t G = K / GROUP;
+    if (K % GROUP || M < 0 || N < 0) return 1;
+    for (int64_t m = 0; m < M; m++)
+        if (offsets[m] > offsets[m + 1] || offsets[m] < 0) return 1;
+    for (int64_t i = offsets[0]; i < offsets[M]; i++)
+        if (ids[i] < 0 || ids[i] >= N) return 1;
+    OwnedRounded a(M, K, G);
+    if (!a.ok()) return 2;
+    const int xb = x_bf16 ? 2 : 4;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(static_cast<const char *>(x) + m * K * xb, x_bf16 != 0, K, G, a.xq + m * K, a.dx + m * G,
+                     a.xs + m * G, a.xsum + m * G);
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *xq = a.xq + m * K;
+        const float *dx = a.dx + m * G;
+        for (int64_t i = offsets[m]; i < offsets[m + 1]; i++) {
+            const int64_t n = ids[i], p = n / PANEL, c = n % PANEL;
+            const int8_t *pw = w + p * G * W8_PANEL_BYTES + 4 * c;
+            const float *ps = s + p * G * PANEL + c;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t dot = 0;  // exact, as the panels' integer sums
+                for (int b = 0; b < 8; b++)
+                    for (int j = 0; j < 4; j++)
+                        dot += static_cast<int32_t>(pw[g * W8_PANEL_BYTES + 64 * b + j]) * xq[g * GROUP + 4 * b + j];
+                acc = std::fma(static_cast<float>(dot), ps[g * PANEL] * dx[g], acc);  // the panels' fmadd
+            }
+            y[i] = acc;
+        }
+    }
     return 0;
 }
