@@ -374,10 +374,11 @@ def test_a_shapers_allowed_ids_are_the_tokens_its_mask_leaves(plain):
     assert bare.allowed_ids(v) is None
 
 
-def test_verified_nodes_logits_at_the_allowed_tokens_alone_keep_speculation_exact(ckpts):
-    """A quantised bfloat16 target (augury's w8a8 output layer): verification computes a node's logits
-    at the few tokens its grammar allows (TargetModel.masked_logits), and greedy speculative output
-    still equals plain greedy output under each schema, the forced-token steps included."""
+def test_logits_at_the_allowed_tokens_alone_keep_decoding_and_speculation_exact(ckpts):
+    """A quantised bfloat16 target (augury's w8a8 output layer): decode steps and verified nodes whose
+    grammar allows few tokens get logits at those tokens alone (TargetModel.masked_logits). Plain
+    greedy output equals plain greedy output from whole rows, and greedy speculative output equals
+    both, under each schema, the forced-token steps included."""
     from augury.cpu import kernels as cpu_kernels
 
     if cpu_kernels.w8a8() is None:
@@ -387,23 +388,26 @@ def test_verified_nodes_logits_at_the_allowed_tokens_alone_keep_speculation_exac
     spec_q = LLM(str(ckpts["target"]), draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
                  speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
                  speculative_num_draft_tokens=6, max_num_seqs=8, **common)
-    eng = spec_q.engine
-    calls = []
-    inner = eng.masked_logits
+    calls = {"plain": [], "spec": []}
+    for name, llm in (("plain", plain_q), ("spec", spec_q)):
+        def counted(hidden, allowed, inner=llm.engine.model.masked_logits, seen=calls[name]):
+            out = inner(hidden, allowed)
+            seen.append(out is not None)
+            return out
 
-    def counted(hidden, allowed):
-        out = inner(hidden, allowed)
-        calls.append(out is not None)
-        return out
-
-    eng.masked_logits = counted
+        llm.engine.model.masked_logits = counted  # decode steps' and (through the engine) verification's
     for name in sorted(SCHEMAS):
         params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=SO(json=SCHEMAS[name]))
+        plain_q.engine._masked_logits = False  # whole rows
+        whole = plain_q.generate(PROMPTS, params, use_tqdm=False)
+        plain_q.engine._masked_logits = True
         want = plain_q.generate(PROMPTS, params, use_tqdm=False)
         got = spec_q.generate(PROMPTS, params, use_tqdm=False)
-        for w, g in zip(want, got):
+        for v, w, g in zip(whole, want, got):
+            assert w.token_ids == v.token_ids, name
             assert g.token_ids == w.token_ids, name
-    assert calls and all(calls)
+    assert calls["plain"] and all(calls["plain"])
+    assert calls["spec"] and all(calls["spec"])
     _no_leak(spec_q)
 
 

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 
+MASKED_AT_MOST = 256  # tokens a grammar allows up to which a row's logits are computed at those alone
+
+
 def argmax_ids(logits: torch.Tensor) -> list[int]:
     """logits [..., V] -> each row's greedy token: the index of its largest value, the first one on a
     tie, as torch.argmax gives it. A float32 tensor on the CPU goes through numpy's argmax (same

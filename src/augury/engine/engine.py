@@ -30,7 +30,7 @@ from augury.models.config import TargetConfig
 from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
-from augury.sampling import token_logprobs
+from augury.sampling import MASKED_AT_MOST, token_logprobs
 from augury.sampling_params import SamplingParams
 from augury.structured import GrammarBackend, make_shaper
 
@@ -92,6 +92,7 @@ class Engine:
         self.features = FeatureStore()  # target features the proposer has not read yet (EAGLE-3)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._grammar = None  # structured.GrammarBackend, made at the first request with a grammar
+        self._masked_logits = True  # decode rows under a grammar may take TargetModel.masked_logits (False: it said None)
         self._grammar_lock = threading.Lock()
 
     # ---------------------------------------------------------------- requests
@@ -312,6 +313,30 @@ class Engine:
             self.commit(r, [tok], [lps[j]] if lps[j] is not None else None)
         return finished
 
+    def _decode_logits(self, hidden: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """hidden [B, H] -> the logits [B, V] a decode step samples from: a row whose grammar allows few
+        tokens next (a key's, punctuation, digits) at those tokens alone, -inf elsewhere
+        (TargetModel.masked_logits: the same bits, and the mask sets the rest to -inf anyway), unless
+        the request wants logprobs (read from its whole raw row); the whole output layer is read for
+        the other rows only."""
+        allowed = [r.shaper.allowed_ids(MASKED_AT_MOST)
+                   if self._masked_logits and r.shaper is not None and r.shaper.has_grammar
+                   and r.params.logprobs is None else None for r in reqs]
+        few = [i for i, ids in enumerate(allowed) if ids is not None]
+        if not few:
+            return self.model.logits(hidden)
+        part = self.model.masked_logits(hidden[few], [allowed[i] for i in few])
+        if part is None:
+            self._masked_logits = False  # this output layer computes whole rows only
+            return self.model.logits(hidden)
+        if len(few) == len(reqs):
+            return part
+        rest = [i for i, ids in enumerate(allowed) if ids is None]
+        out = part.new_empty(len(reqs), part.shape[-1])
+        out[few] = part
+        out[rest] = self.model.logits(hidden[rest])
+        return out
+
     def _logprobs(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[dict | None]:
         """Per request, the chosen token's TokenLogprobs from its row of logits [B, V] (None where
         the request did not ask for logprobs)."""
@@ -347,7 +372,7 @@ class Engine:
                                        self.speculator.catch_up_window) if wants else None
         hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
                                       wants, into)
-        logits = self.model.logits(hidden[:, 0])  # [B, V]
+        logits = self._decode_logits(hidden[:, 0], reqs)  # [B, V]
         toks = sample(logits, reqs)
         lps = self._logprobs(logits, reqs, toks)
         if into is not None:

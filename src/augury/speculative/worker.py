@@ -18,7 +18,7 @@ from augury.core.request import Request
 from augury.core.timing import clock
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
-from augury.sampling import token_logprobs
+from augury.sampling import MASKED_AT_MOST, token_logprobs
 from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
@@ -32,7 +32,6 @@ AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
 AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
 FORCED_ONLY = 16  # most forced tokens verified per request in a step without head drafts
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
-MASKED_AT_MOST = 256  # tokens a grammar allows at a node up to which its logits are computed at those alone
 
 
 class Speculator:
