@@ -187,10 +187,10 @@ class W8A8:
         w = codes.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g, GROUP).float()
         return (w * scale.transpose(1, 2).reshape(p * PANEL, g, 1)).reshape(p * PANEL, g * GROUP)[:n]
 
-    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None = None,
-               threads: int | None = None) -> torch.Tensor:
-        """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, n]; the weights are pack()'s output,
-        n the weight's rows (default: every column the panels hold); threads: default torch's count."""
+    @staticmethod
+    def _checked(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None) -> tuple[torch.Tensor, int]:
+        """(x contiguous, the weight's rows n; None: every column the panels hold), or a ValueError
+        naming what the kernel cannot take."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
                              f"{x.dtype} on {x.device}")
@@ -204,6 +204,14 @@ class W8A8:
         n = p * PANEL if n is None else n
         if not p * PANEL - PANEL < n <= p * PANEL:
             raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
+        return x, n
+
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int | None = None,
+               threads: int | None = None) -> torch.Tensor:
+        """x [M, K] bfloat16 or float32 (CPU) -> float32 [M, n]; the weights are pack()'s output,
+        n the weight's rows (default: every column the panels hold); threads: default torch's count."""
+        x, n = self._checked(x, codes, scale, n)
+        m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(), n,
                       y.data_ptr(), threads or _threads())
@@ -214,23 +222,13 @@ class W8A8:
     def columns(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int,
                 ids: list) -> list[torch.Tensor]:
         """Row m of x [M, K] (bfloat16 or float32, CPU) at columns ids[m] (integers in 0..n-1: a numpy
-        array, a list or a CPU tensor) ->
-        float32 values, the bits linear() gives those columns (one thread, column by column: for the
-        few tokens a grammar's mask allows, without a pass over the whole weight)."""
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        if len(ids) != x.shape[0]:
-            raise ValueError(f"w8a8 columns: {len(ids)} id lists for {x.shape[0]} rows")
-        x = x.contiguous()
+        array, a list or a CPU tensor) -> float32 values, the bits linear() gives those columns (one
+        thread, column by column: for the few tokens a grammar's mask allows, without a pass over the
+        whole weight)."""
+        x, n = self._checked(x, codes, scale, n)
         m, k = x.shape
-        _expect("w8a8", "codes", codes, (torch.int8,), (None, None, 8 * PANEL * 4))
-        p, g, _ = codes.shape
-        if k != g * GROUP:
-            raise ValueError(f"w8a8: input has {k} features, the weights {g * GROUP}")
-        _expect("w8a8", "scale", scale, (torch.float32,), (p, g, PANEL))
-        if not p * PANEL - PANEL < n <= p * PANEL:
-            raise ValueError(f"w8a8: {n} columns asked of {p} panels of {PANEL}")
+        if len(ids) != m:
+            raise ValueError(f"w8a8 columns: {len(ids)} id lists for {m} rows")
         flat = np.ascontiguousarray(ids[0] if m == 1 else np.concatenate(ids) if m else [], dtype=np.int64)
         offsets = np.zeros(m + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(i) for i in ids])
