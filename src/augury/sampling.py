@@ -7,7 +7,7 @@ verification samples at a position is the token plain decoding samples there wit
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -15,6 +15,26 @@ import torch
 
 
 MASKED_AT_MOST = 256  # tokens a grammar allows up to which a row's logits are computed at those alone
+
+
+def logits_at_allowed(allowed: Sequence[np.ndarray | None],
+                      masked: Callable[[list[int]], torch.Tensor | None],
+                      whole: Callable[[list[int] | None], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """Logits [n, V] for n rows, those with allowed[i] (a row's few allowed token ids, else None)
+    computed at those tokens alone: masked(rows) -> [len(rows), V] (-inf elsewhere), or None where the
+    output layer cannot; whole(rows) -> the rows' whole logits (rows None: all n). Returns the logits
+    and whether masked declined (every row then came from whole)."""
+    few = [i for i, ids in enumerate(allowed) if ids is not None]
+    part = masked(few) if few else None
+    if part is None:
+        return whole(None), bool(few)
+    if len(few) == len(allowed):
+        return part, False
+    rest = [i for i, ids in enumerate(allowed) if ids is None]
+    out = part.new_empty(len(allowed), part.shape[-1])
+    out[few] = part
+    out[rest] = whole(rest)
+    return out, False
 
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:

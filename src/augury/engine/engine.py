@@ -30,7 +30,7 @@ from augury.models.config import TargetConfig
 from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
-from augury.sampling import MASKED_AT_MOST, token_logprobs
+from augury.sampling import MASKED_AT_MOST, logits_at_allowed, token_logprobs
 from augury.sampling_params import SamplingParams
 from augury.structured import GrammarBackend, make_shaper
 
@@ -322,20 +322,12 @@ class Engine:
         allowed = [r.shaper.allowed_ids(MASKED_AT_MOST)
                    if self._masked_logits and r.shaper is not None and r.shaper.has_grammar
                    and r.params.logprobs is None else None for r in reqs]
-        few = [i for i, ids in enumerate(allowed) if ids is not None]
-        if not few:
-            return self.model.logits(hidden)
-        part = self.model.masked_logits(hidden[few], [allowed[i] for i in few])
-        if part is None:
+        logits, declined = logits_at_allowed(
+            allowed, lambda rows: self.model.masked_logits(hidden[rows], [allowed[i] for i in rows]),
+            lambda rows: self.model.logits(hidden if rows is None else hidden[rows]))
+        if declined:
             self._masked_logits = False  # this output layer computes whole rows only
-            return self.model.logits(hidden)
-        if len(few) == len(reqs):
-            return part
-        rest = [i for i, ids in enumerate(allowed) if ids is None]
-        out = part.new_empty(len(reqs), part.shape[-1])
-        out[few] = part
-        out[rest] = self.model.logits(hidden[rest])
-        return out
+        return logits
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Request], toks: list[int]) -> list[dict | None]:
         """Per request, the chosen token's TokenLogprobs from its row of logits [B, V] (None where

@@ -18,7 +18,7 @@ from augury.core.request import Request
 from augury.core.timing import clock
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
-from augury.sampling import MASKED_AT_MOST, token_logprobs
+from augury.sampling import MASKED_AT_MOST, logits_at_allowed, token_logprobs
 from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
@@ -239,20 +239,13 @@ class Speculator:
         def at(bs: list[int], ns: list[int]) -> torch.Tensor:  # -> [A, V]
             allowed = [grammars[b].allowed_ids(MASKED_AT_MOST) if offered[0] and grammars[b] is not None else None
                        for b in bs]
-            few = [a for a, ids in enumerate(allowed) if ids is not None]
-            if not few:
-                return whole(bs, ns)
-            part = host.masked_logits(hidden[[bs[a] for a in few], [ns[a] for a in few]], [allowed[a] for a in few])
-            if part is None:
+            rows, declined = logits_at_allowed(
+                allowed, lambda sel: host.masked_logits(hidden[[bs[a] for a in sel], [ns[a] for a in sel]],
+                                                        [allowed[a] for a in sel]),
+                lambda sel: whole(bs, ns) if sel is None else whole([bs[a] for a in sel], [ns[a] for a in sel]))
+            if declined:
                 offered[0] = False
-                return whole(bs, ns)
-            if len(few) == len(bs):
-                return part
-            rest = [a for a, ids in enumerate(allowed) if ids is None]
-            out = part.new_empty(len(bs), part.shape[-1])
-            out[few] = part
-            out[rest] = whole([bs[a] for a in rest], [ns[a] for a in rest])
-            return out
+            return rows
 
         return at
 
