@@ -57,6 +57,41 @@ inline void store_out(void *out, bool out_bf16, int64_t o, const float *v, int c
     }
 }
 
+// Each head's n scores (scores [H, n]) and their maximum m[h] (NaN scores passed over), from
+// lanes(j, v), which gives key j's 8-lane sums v[h]: s_j = hsum(v[h]), four keys' sums at a time
+// (hsum4: the same bits), the rest one by one.
+template <int H, class Lanes>
+inline void score_keys(Lanes &&lanes, int64_t n, float *scores, float *m) {
+    __m128 m4[H];
+    for (int h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        m4[h] = _mm_set1_ps(-INFINITY);
+    }
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256 v[4][H];
+        for (int u = 0; u < 4; u++) lanes(j + u, v[u]);
+        for (int h = 0; h < H; h++) {
+            const __m128 x = hsum4(v[0][h], v[1][h], v[2][h], v[3][h]);
+            _mm_storeu_ps(scores + h * n + j, x);
+            m4[h] = _mm_max_ps(x, m4[h]);  // maxps returns its second operand for a NaN
+        }
+    }
+    for (; j < n; j++) {
+        __m256 v[H];
+        lanes(j, v);
+        for (int h = 0; h < H; h++) {
+            const float x = hsum(v[h]);
+            scores[h * n + j] = x;
+            m[h] = x > m[h] ? x : m[h];
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const float x = hmax4(m4[h]);
+        m[h] = x > m[h] ? x : m[h];
+    }
+}
+
 // Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
 // and value is loaded once for the H heads. Per head, in this fixed order on every ISA level: q scaled
 // (q * scale per element); each score s_j = hsum(A + B), where A and B are 8-lane FMA chains over the
@@ -72,10 +107,9 @@ inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     for (int h = 0; h < H; h++)
         for (int64_t i = 0; i < nv; i++)
             qv[h][i] = _mm256_mul_ps(load8(q, q_bf16, (r * nh + h0 + h) * hd + 8 * i), _mm256_set1_ps(scale));
-    float m[H];
-    for (int h = 0; h < H; h++) m[h] = -INFINITY;
     for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j]);
-    for (int64_t j = 0; j < n; j++) {
+    // key j's A + B per head (its score is their hsum)
+    auto lanes = [&](int64_t j, __m256 *v) {
         if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j + KV_AHEAD]);
         const int64_t base = (sl[j] * nkv + g) * hd;
         __m256 a[H], b[H];
@@ -88,12 +122,10 @@ inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, i
                 for (int h = 0; h < H; h++) b[h] = _mm256_fmadd_ps(qv[h][i + 1], k1, b[h]);
             }
         }
-        for (int h = 0; h < H; h++) {
-            const float x = hsum(_mm256_add_ps(a[h], b[h]));
-            scores[h * n + j] = x;
-            m[h] = x > m[h] ? x : m[h];
-        }
-    }
+        for (int h = 0; h < H; h++) v[h] = _mm256_add_ps(a[h], b[h]);
+    };
+    float m[H];
+    score_keys<H>(lanes, n, scores, m);
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     __m256 acc[H][64];
@@ -138,10 +170,9 @@ inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     for (int h = 0; h < H; h++)
         for (int64_t c = 0; c < nc; c++)
             qz[h][c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
-    float m[H];
-    for (int h = 0; h < H; h++) m[h] = -INFINITY;
     for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j]);
-    for (int64_t j = 0; j < n; j++) {
+    // key j's A + B per head: the low and high halves of one 16-lane chain
+    auto lanes = [&](int64_t j, __m256 *v) {
         if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j + KV_AHEAD]);
         const int64_t base = (sl[j] * nkv + g) * hd;
         __m512 s[H];
@@ -150,13 +181,12 @@ inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, i
             const __m512 k = load16(kc, kv_bf16, base + 16 * c);
             for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(qz[h][c], k, s[h]);
         }
-        for (int h = 0; h < H; h++) {
-            const float x = hsum(_mm256_add_ps(_mm512_castps512_ps256(s[h]),
-                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[h]), 1))));
-            scores[h * n + j] = x;
-            m[h] = x > m[h] ? x : m[h];
-        }
-    }
+        for (int h = 0; h < H; h++)
+            v[h] = _mm256_add_ps(_mm512_castps512_ps256(s[h]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[h]), 1)));
+    };
+    float m[H];
+    score_keys<H>(lanes, n, scores, m);
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     __m512 acc[H][CAP];

@@ -162,4 +162,28 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// [hsum(v0), hsum(v1), hsum(v2), hsum(v3)]: the same additions in the same tree as hsum, lane for lane
+// (s = low half + high half; then (s0 + s2) + (s1 + s3)), four vectors' at a time: 14 instructions
+// instead of 24, and one store for four sums.
+inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    // [lo v0 + hi v0 | lo v1 + hi v1] and the same for v2, v3
+    const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+    // per 128-bit half: [t0_0 + t0_2, t0_1 + t0_3, t2_0 + t2_2, t2_1 + t2_3] (the high half: t1, t3)
+    const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+    // lanes 0, 1 of each half: [sum0, sum2] and [sum1, sum3]
+    const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(x, x, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+// The largest lane of m (a NaN-free vector); which of +0 and -0 it returns where they tie does not
+// change exp(s - m) for any s.
+inline float hmax4(__m128 m) {
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 }  // namespace augury
