@@ -141,6 +141,42 @@ def test_decode_rows_read_the_keys_exact_rows_gives_them() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("packed", [False, True])
+def test_tree_rows_read_the_keys_exact_rows_gives_them(packed: bool) -> None:
+    """prepare_tree's and prepare_packed_tree's direct slot lists (augury's attention kernel) against
+    the generic exact rows, on random trees (parents before children), contexts and block tables: the
+    same slot mapping, key counts and, up to each row's count, the same slots in the same order."""
+    from augury.attention import paged
+
+    g = torch.Generator().manual_seed(5)
+    cache = torch.zeros(2, 512, 2, 16, dtype=torch.bfloat16)
+    bs = 4
+    backend = paged.PagedBackend(cache, cache.clone(), block_size=bs)
+    for b, n in ((1, 1), (1, 9), (3, 15), (6, 7)):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, n)]
+                                for _ in range(b)])
+        if b > 1:
+            parents[1] = torch.arange(n) - 1  # a chain among the trees
+        ctx = [int(x) for x in torch.randint(1, 40, (b,), generator=g)]
+        blocks = torch.randperm(127, generator=g)[: b * 15] + 1
+        tables = [blocks[i * 15 : i * 15 + -(-(ctx[i] + n) // bs)].tolist() for i in range(b)]
+        sizes = [int(x) for x in torch.randint(1, n + 1, (b,), generator=g)] if packed else [n] * b
+        keep = [i * n + j for i in range(b) for j in range(sizes[i])]
+        bt = paged._block_table(tables, paged._width(ctx, n, bs), backend.device)
+        new_slots = paged._new_slots(bt, ctx, [n] * b, n, bs)
+        rows = paged.exact_rows(parents, bt, bs, ctx, new_slots.view(b, n), backend.merge_widths, keep)
+        generic = paged.StepAttention(cache, cache, new_slots[torch.tensor(keep)], None, rows)
+        fast = backend.prepare_packed_tree(tables, ctx, parents, sizes) if packed \
+            else backend.prepare_tree(tables, ctx, parents)
+        assert not fast.exact.groups  # the direct slot lists, not exact_rows' groups
+        k_fast, k_gen = fast.fused_rows(), generic.fused_rows()
+        assert torch.equal(k_fast[2], k_gen[2]), (b, n)  # slot mapping
+        assert torch.equal(k_fast[4], k_gen[4]), (b, n)  # key counts
+        for r, count in enumerate(k_fast[4].tolist()):
+            assert torch.equal(k_fast[3][r, :count], k_gen[3][r, :count]), (b, n, r)
+
+
+@needs_kernels
 def test_a_slot_outside_the_cache_is_refused(tiny_checkpoint) -> None:
     """The kernel writes keys and values through raw addresses: a slot past the cache is an error,
     not a write out of bounds."""

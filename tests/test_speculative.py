@@ -305,8 +305,9 @@ def test_aligned_single_query_attention_ignores_batch_and_extra_padding(dtype, h
 
 def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatch):
     """Two requests' trees verified in one forward (bfloat16): each node's hidden state is bit
-    for bit the one its request gets verified alone, whether the rows share one attention call
-    or the gather budget splits them into many."""
+    for bit the one its request gets verified alone, on augury's attention kernel (each row's slot
+    list built directly) and on torch's exact rows, whether the rows share one attention call or the
+    gather budget splits them into many."""
     from augury.attention import paged as torch_paged
     from augury.speculative.tree import depth_from_parents
 
@@ -317,6 +318,7 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
     parents = torch.tensor([[-1, 0, 0, 1, 2, 3, 3, 6]] * 2)
     n = parents.shape[1]
     tokens = torch.randint(3, 256, (2, n), generator=g)
+    contexts = [torch.randint(3, 256, (1, c), generator=g) for c in ctxs]
     per = -(-(max(ctxs) + n) // bs)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(2)]
 
@@ -331,17 +333,21 @@ def test_batched_exact_verification_matches_each_request_alone(ckpts, monkeypatc
         with torch.inference_mode():
             return model(ids, pos, attn)[0]
 
-    for i, c in enumerate(ctxs):
-        run([i], torch.randint(3, 256, (1, c), generator=g), torch.arange(c)[None], tree=False)
     pos = torch.tensor(ctxs)[:, None] + depth_from_parents(parents)
-    alone = [run([i], tokens[i : i + 1], pos[i : i + 1])[0] for i in range(2)]
-    together = run([0, 1], tokens, pos)
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(torch_paged, "_attention_kernel", lambda k_cache: None)
+        for i, c in enumerate(ctxs):
+            run([i], contexts[i], torch.arange(c)[None], tree=False)
+        alone = [run([i], tokens[i : i + 1], pos[i : i + 1])[0] for i in range(2)]
+        together = run([0, 1], tokens, pos)
+        for i in range(2):
+            assert torch.equal(together[i], alone[i]), f"request {i} changed by its batch (kernel {kernel})"
     monkeypatch.setattr(torch_paged, "EXACT_CALL_SLOTS", 3 * torch_paged.KEY_ALIGN)
     one = backend.prepare_tree([tables[1]], [ctxs[1]], parents[:1])
     assert len(one.exact.groups) == n  # one row a call
     split = run([0, 1], tokens, pos)
     for i in range(2):
-        assert torch.equal(together[i], alone[i]), f"request {i} changed by its batch"
         assert torch.equal(split[i], alone[i]), f"request {i} changed by splitting the calls"
 
 
@@ -421,10 +427,13 @@ def test_a_position_past_the_rope_table_is_an_error_not_clamped(plain):
 
 
 def test_masked_fallback_for_trees_stays_greedy_exact(ckpts, monkeypatch):
-    """When exact attention would take too many calls the backend falls back to one masked call
-    with the tree's ancestor mask (built only then); float32 greedy output is still plain's."""
+    """Where torch attends (no attention kernel: another device, or no compiler) and exact attention
+    would take too many calls, the backend falls back to one masked call with the tree's ancestor mask
+    (built only then); float32 greedy output is still plain's. (augury's kernel takes any batch's
+    rows in one call: it never falls back.)"""
     from augury.attention import paged as torch_paged
 
+    monkeypatch.setattr(torch_paged, "_attention_kernel", lambda k_cache: None)
     monkeypatch.setattr(torch_paged, "MAX_EXACT_GROUPS", 0)  # every step takes the masked path
     built = []
     real = torch_paged.tree_attention_mask
