@@ -417,10 +417,10 @@ def test_a_plain_batch_skips_the_rule_but_not_its_probes_or_tries():
 
 def test_forced_only_steps_run_where_they_pay_and_back_off_where_they_do_not() -> None:
     """ForcedGate (arms.py): a bucket first times plain decoding; then forced-only steps run while
-    their goodput holds (batch 1: 10 tokens in 8 ms against 1 in 3 ms) and go off after FORCED_SEEN
+    their goodput holds (batch 1: 10 tokens in 8 ms against 1 in 3 ms) and go off after FORCED_WINDOW
     steps below plain's (batch 16: 28 tokens in 30 ms against 16 in 15 ms), for 32 bucket steps,
     then 64 after losing again; one bucket's verdict leaves another's alone."""
-    from augury.speculative.arms import FORCED_SEEN, ForcedGate
+    from augury.speculative.arms import FORCED_SEEN, FORCED_WINDOW, ForcedGate
 
     g = ForcedGate()
     assert not g.allowed(1)  # plain decoding not timed here yet
@@ -431,7 +431,7 @@ def test_forced_only_steps_run_where_they_pay_and_back_off_where_they_do_not() -
         g.observe_forced(1, 10, 0.008)
     for _ in range(FORCED_SEEN):
         g.observe_plain(16, 0.015)
-    for _ in range(FORCED_SEEN):
+    for _ in range(FORCED_WINDOW):
         assert g.allowed(16)
         g.observe_forced(16, 28, 0.030)
     assert not g.allowed(16) and g.allowed(1)
@@ -441,12 +441,12 @@ def test_forced_only_steps_run_where_they_pay_and_back_off_where_they_do_not() -
         assert not g.allowed(16)
         g.observe_plain(16, 0.015)
         assert g.allowed(16)  # measured afresh
-        for _ in range(FORCED_SEEN):
+        for _ in range(FORCED_WINDOW):
             g.observe_forced(16, 28, 0.030)
     g2 = ForcedGate()  # a batch where forced steps pay stays on
     for _ in range(FORCED_SEEN):
         g2.observe_plain(16, 0.015)
-    for _ in range(3 * FORCED_SEEN):
+    for _ in range(3 * FORCED_WINDOW):
         assert g2.allowed(16)
         g2.observe_forced(16, 40, 0.030)
 

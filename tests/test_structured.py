@@ -543,3 +543,30 @@ def test_a_tree_past_the_grammars_end_asks_nothing_of_the_ended_matcher(plain, c
     sh.pop_all()
     assert "terminated" not in capfd.readouterr().err
     assert not sh.terminated
+
+
+@pytest.mark.parametrize("prompt, want", [("xzebdy", "ebdq!"), ("xzebzy", "eb")])
+def test_free_drafts_chain_forced_tokens_and_prompt_lookup_the_grammar_allows(plain, prompt, want):
+    """A forced-only step's chain (worker.free_drafts): the forced "e", then what followed the last
+    earlier "e" in the prompt, as far as the grammar allows it, then the tokens forced after that (the
+    rest of the answer and its stop token); a lookup the grammar refuses partway ends the chain there.
+    The shaper is left at its committed state."""
+    from augury.speculative.worker import free_drafts
+    from augury.structured import make_shaper
+
+    eng, tok = plain.engine, plain.tokenizer
+    ids = [tok.convert_tokens_to_ids(c) for c in prompt]
+    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="(a|b)(c|d)e(a|b)(c|d)q!")), ids,
+                     vocab_size=eng.model_cfg.vocab_size, device=eng.device, tokenizer=tok, backend=eng.grammar)
+    out = [tok.convert_tokens_to_ids(c) for c in "ac"]
+    for t in out:
+        sh.commit(t)
+    before = sh.forced_tokens()
+    chain = free_drafts(sh, ids + out, 16)
+    eos = min(eng.eos_token_ids)
+    if want.endswith("!"):
+        assert chain[-1] == eos and tok.decode(chain[:-1]) == want
+    else:
+        assert tok.decode(chain) == want
+    assert free_drafts(sh, ids + out, 2) == chain[:2]  # the limit holds
+    assert sh.output == out and sh.forced_tokens() == before  # left where it was

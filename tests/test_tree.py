@@ -199,3 +199,34 @@ def test_graft_chains_nothing_new_keeps_the_tree() -> None:
         graft_chains(two, [[1]])
     with pytest.raises(ValueError, match="besides its root"):
         graft_chains(_tree([[1]], [[-1]]), [[2]])
+
+
+def _lookup_by_scan(tokens: list[int], k: int, max_n: int) -> list[int]:
+    """Prompt lookup spelled out: for n from max_n down to 1, the latest earlier start whose n tokens
+    equal the last n (with a token after them); the k tokens after it."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), 0, -1):
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[size - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 20])
+def test_prompt_lookup_continues_the_latest_longest_match(vocab: int) -> None:
+    from augury.speculative.ngram import MATCH_MAX, MATCH_REACH, longest_match, lookup, matched_lookup
+
+    rng = random.Random(vocab)
+    for _ in range(3000):
+        toks = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        for max_n in (1, 3, 5):
+            assert lookup(toks, 4, max_n) == _lookup_by_scan(toks, 4, max_n), (toks, max_n)
+        n, at = longest_match(toks, MATCH_MAX)
+        want = _lookup_by_scan(toks, 10**6, MATCH_MAX)
+        assert (toks[at:] if at >= 0 else []) == want
+        # the reach grows with the match: MATCH_REACH tokens per matched one
+        assert matched_lookup(toks, 100) == want[:MATCH_REACH * n]
+        assert matched_lookup(toks, 3) == want[:min(3, MATCH_REACH * n)]
+    assert longest_match([1, 2, 3, 9, 1, 2, 3], 8) == (3, 3)  # "1 2 3" then 9
+    assert longest_match([7, 1, 2, 8, 1, 2], 1) == (1, 3)  # capped at one token: the latest "2"
+    assert longest_match([1, 2, 3], 8) == (0, -1)

@@ -50,7 +50,9 @@ STRETCH = 4  # ... but after the first probe at most this many back-offs (it may
 COLD_BUDGET = 0.01  # ... or more, so that even a first probe costs at most this share of the steps until the next
 MAX_SPACING = 8192  # and never more steps than this between probes
 RESET_AFTER = 64  # steps speculation must hold before the back-off returns to its base
-FORCED_SEEN = 6  # timed steps of each kind before ForcedGate judges forced-only steps in a bucket
+FORCED_WINDOW = 12  # forced steps whose goodput ForcedGate weighs against plain decoding's (with six, JSON
+# at batch 1 here backed off 1-3 times in 8 answers, with twelve none)
+FORCED_SEEN = 6  # plain steps timed in a bucket before forced-only steps run there
 
 
 def bucket_of(batch: int) -> int:
@@ -260,16 +262,18 @@ def trimmed_mean(xs: list[float]) -> float:
 
 
 class ForcedGate:
-    """Whether a grammar's forced tokens are verified alone (a step with no head drafts) or decoded
-    one per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a bucket decode
-    plainly, timing that). A forced token costs a verification row: where rows are memory-bound
-    (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are compute-bound (batch
-    16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves nothing and its masks
-    and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with it). Once both kinds of
-    step have FORCED_SEEN timed steps in a bucket, a forced step's goodput (tokens committed over
-    seconds, the window's sums) under plain decoding's (the batch over its trimmed mean step) turns
-    it off for a back-off (BASE_BACKOFF bucket steps, doubling to MAX_BACKOFF while it keeps
-    losing), after which it runs again and is measured afresh."""
+    """Whether the drafts that cost no draft model (a grammar's forced tokens and prompt lookup under
+    it: RequestShaper.free_drafts) are verified alone (a step with no head drafts) or the tokens
+    decoded one per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a
+    bucket decode plainly, timing that). A forced token costs a verification row: where rows are
+    memory-bound (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are
+    compute-bound (batch 16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves
+    nothing and its masks and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with it).
+    Once plain decoding has FORCED_SEEN timed steps in a bucket and forced steps FORCED_WINDOW, a
+    forced step's goodput (tokens committed over seconds, the window's sums) under plain decoding's
+    (the batch over its trimmed mean step) turns it off for a back-off (BASE_BACKOFF bucket steps,
+    doubling to MAX_BACKOFF while it keeps losing), after which it runs again and is measured
+    afresh."""
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # bucket -> plain step seconds
@@ -300,10 +304,10 @@ class ForcedGate:
     def observe_forced(self, batch: int, tokens: int, seconds: float) -> None:
         k = bucket_of(batch)
         self.steps[k] = self.steps.get(k, 0) + 1
-        window = self.forced.setdefault(k, deque(maxlen=FORCED_SEEN))
+        window = self.forced.setdefault(k, deque(maxlen=FORCED_WINDOW))
         window.append((tokens, seconds))
         plain = self.plain.get(k)
-        if len(window) < FORCED_SEEN or not plain or len(plain) < FORCED_SEEN:
+        if len(window) < FORCED_WINDOW or not plain or len(plain) < FORCED_SEEN:
             return
         forced_rate = sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
         plain_rate = batch / max(trimmed_mean(list(plain)), 1e-12)

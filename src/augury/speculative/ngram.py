@@ -1,6 +1,9 @@
 """Prompt-lookup (n-gram) drafting: no draft model, continue an earlier occurrence of the suffix."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from augury.core.request import Request
@@ -8,18 +11,51 @@ from augury.speculative.interface import TargetHost
 from augury.speculative.policy import TreeShape
 from augury.speculative.tree import DraftTree, chain_tree
 
+MATCH_MAX = 8  # the longest suffix matched_lookup matches
+MATCH_REACH = 2  # tokens it drafts per matched token
 
-def lookup(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
-    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram."""
+
+def longest_match(tokens: Sequence[int], max_n: int) -> tuple[int, int]:
+    """(n, at): the longest suffix of tokens, at most max_n tokens, that occurred earlier with at least
+    one token after it, and where the latest such occurrence's next token is (tokens[at]); (0, -1)
+    when the last token never occurred before."""
     size = len(tokens)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = tokens[size - n :]
-        for start in range(size - n - 1, -1, -1):  # most recent occurrence first
-            if tokens[start : start + n] == suffix:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    if size < 2 or max_n < 1:
+        return 0, -1
+    a = np.asarray(tokens)
+    ends = np.flatnonzero(a[:-1] == a[-1])  # earlier occurrences of the last token (each has a next one)
+    if not len(ends):
+        return 0, -1
+    n = np.ones(len(ends), dtype=np.int64)
+    for j in range(1, min(max_n, size - 1)):  # extend every match that is still j long by one token back
+        live = (n == j) & (ends >= j)
+        if not live.any():
+            break
+        live[live] = a[ends[live] - j] == a[size - 1 - j]
+        n[live] += 1
+    best = int(n.max())
+    latest = int(ends[np.flatnonzero(n == best)[-1]])
+    return best, latest + 1
+
+
+def lookup(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram (at most
+    max_n tokens long)."""
+    _, at = longest_match(tokens, max_n)
+    return list(tokens[at:at + k]) if at >= 0 else []
+
+
+def matched_lookup(tokens: Sequence[int], limit: int) -> list[int]:
+    """Prompt lookup drafting as far as its match makes likely: the tokens after the latest earlier
+    occurrence of the longest suffix (up to MATCH_MAX tokens), MATCH_REACH of them per matched token,
+    at most `limit`. A long match is a repeated structure (the keys of an array's objects, text quoted
+    from the prompt) whose continuation mostly repeats too; a one- or two-token match mostly is not
+    (JSON answers of the demo at batch 1: a match of 6 or more had its 8th token accepted 60% of the
+    time, a match of one or two had its 3rd accepted under 20%)."""
+    n, at = longest_match(tokens, MATCH_MAX)
+    if at < 0:
+        return []
+    return list(tokens[at:at + min(limit, MATCH_REACH * n)])
 
 
 class NgramProposer:
