@@ -270,10 +270,10 @@ class ForcedGate:
     compute-bound (batch 16 on a 2-core CPU: ~1 ms a row, decode or verification alike) it saves
     nothing and its masks and walk cost more (JSON at batch 16 ran 0.92x of plain decoding with it).
     Once plain decoding has FORCED_SEEN timed steps in a bucket and forced steps FORCED_WINDOW, a
-    forced step's goodput (tokens committed over seconds, the window's sums) under plain decoding's
-    (the batch over its trimmed mean step) turns it off for a back-off (BASE_BACKOFF bucket steps,
-    doubling to MAX_BACKOFF while it keeps losing), after which it runs again and is measured
-    afresh."""
+    forced step's goodput (tokens committed over seconds, the window's sums without its TRIM share of
+    slowest and of fastest steps) under plain decoding's (the batch over its trimmed mean step) turns
+    it off for a back-off (BASE_BACKOFF bucket steps, doubling to MAX_BACKOFF while it keeps losing),
+    after which it runs again and is measured afresh."""
 
     def __init__(self) -> None:
         self.plain: dict[int, deque[float]] = {}  # bucket -> plain step seconds
@@ -309,7 +309,12 @@ class ForcedGate:
         plain = self.plain.get(k)
         if len(window) < FORCED_WINDOW or not plain or len(plain) < FORCED_SEEN:
             return
-        forced_rate = sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
+        # the window's goodput without its TRIM share of slowest and of fastest steps (tokens over
+        # seconds of the rest): one step a busy neighbour stalled must not turn forced steps off
+        steps = sorted(window, key=lambda ts: ts[0] / max(ts[1], 1e-12))
+        cut = int(len(steps) * TRIM)
+        steps = steps[cut: len(steps) - cut]
+        forced_rate = sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-12)
         plain_rate = batch / max(trimmed_mean(list(plain)), 1e-12)
         if forced_rate < plain_rate:
             back = self.backoff.get(k, BASE_BACKOFF)
