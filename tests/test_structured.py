@@ -504,8 +504,9 @@ def test_forced_drafts_keep_a_requests_own_draft_cap(plain, spec):
 
 
 def test_forced_tokens_are_verified_when_the_policy_drafts_nothing(ckpts, plain):
-    """Above the disable threshold the head drafts nothing, yet the grammar's forced tokens are still
-    verified (as chains under the roots) instead of decoding them one step each; output unchanged."""
+    """Above the disable threshold the head drafts nothing and prompt lookup neither, yet the grammar's
+    forced tokens are still verified (as chains under the roots) instead of decoding them one step
+    each; output unchanged."""
     llm = LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
               speculative_policy="static", speculative_disable_batch_threshold=1, log_stats_interval=0)
     schema = SCHEMAS["enums-and-bools"]
@@ -545,18 +546,19 @@ def test_a_tree_past_the_grammars_end_asks_nothing_of_the_ended_matcher(plain, c
     assert not sh.terminated
 
 
-@pytest.mark.parametrize("prompt, want", [("xzebdy", "ebdq!"), ("xzebzy", "eb")])
+@pytest.mark.parametrize("prompt, want", [("xacebdey", "ebdeq!"), ("xacebzey", "eb")])
 def test_free_drafts_chain_forced_tokens_and_prompt_lookup_the_grammar_allows(plain, prompt, want):
-    """A forced-only step's chain (worker.free_drafts): the forced "e", then what followed the last
-    earlier "e" in the prompt, as far as the grammar allows it, then the tokens forced after that (the
-    rest of the answer and its stop token); a lookup the grammar refuses partway ends the chain there.
-    The shaper is left at its committed state."""
+    """A forced-only step's chain (worker.free_drafts): the forced "e", then what followed "ace" in the
+    prompt (three tokens for a three-token match), as far as the grammar allows it, then the tokens
+    forced after that (the rest of the answer and its stop token); a lookup the grammar refuses
+    partway ends the chain there. The shaper is left at its committed state; without lookup the
+    chain is the forced "e" alone."""
     from augury.speculative.worker import free_drafts
     from augury.structured import make_shaper
 
     eng, tok = plain.engine, plain.tokenizer
     ids = [tok.convert_tokens_to_ids(c) for c in prompt]
-    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="(a|b)(c|d)e(a|b)(c|d)q!")), ids,
+    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="(a|b)(c|d)e(a|b)(c|d)eq!")), ids,
                      vocab_size=eng.model_cfg.vocab_size, device=eng.device, tokenizer=tok, backend=eng.grammar)
     out = [tok.convert_tokens_to_ids(c) for c in "ac"]
     for t in out:
@@ -569,4 +571,5 @@ def test_free_drafts_chain_forced_tokens_and_prompt_lookup_the_grammar_allows(pl
     else:
         assert tok.decode(chain) == want
     assert free_drafts(sh, ids + out, 2) == chain[:2]  # the limit holds
+    assert tok.decode(free_drafts(sh, ids + out, 16, lookup=False)) == "e"
     assert sh.output == out and sh.forced_tokens() == before  # left where it was

@@ -40,10 +40,13 @@ class Speculator:
     (the engine's `Speculator` protocol), talking to the engine only as a TargetHost."""
 
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, max_num_seqs: int,
-                 catch_up_window: int = 128, warming: bool = False) -> None:
+                 catch_up_window: int = 128, warming: bool = False, disable_batch_threshold: int | None = None) -> None:
         self.proposer = proposer
         self.policy = policy
         self.max_num_seqs = max_num_seqs
+        # above it nothing speculative is drafted (the policy drafts nothing, steps without head drafts no
+        # prompt lookup); a grammar's forced tokens are verified all the same
+        self.disable_batch_threshold = disable_batch_threshold
         self.catch_up_window = catch_up_window  # most target features kept per request for the head
         self.needs_aux = proposer.needs_aux
         self.aux_layers = proposer.aux_layers
@@ -137,20 +140,22 @@ class Speculator:
         return StaticPolicy(self.policy.max_shape, None).plan(reqs)
 
     def _forced_only(self, host: TargetHost, reqs: list[Request]) -> bool:
-        """No head drafts this step, but a request has a grammar: verify the drafts that cost no draft
-        model (free_drafts: the tokens its grammar forces, keys, punctuation, a fixed value, all but
-        always accepted, and prompt lookup the grammar allows) alone, as chains under the roots (every
-        other row a plain decode row), instead of a plain decode step. False (and nothing done) when
-        no request has such drafts, or the cache is short."""
-        if not any(r.shaper is not None and r.shaper.has_grammar for r in reqs):
-            return False  # no grammar: nothing to time (the clock waits for the device on CUDA)
+        """No head drafts this step: verify the drafts that cost no draft model alone (free_drafts: the
+        tokens a request's grammar forces, keys, punctuation, a fixed value, all but always accepted,
+        and prompt lookup where the request's text repeats itself or its prompt), as chains under
+        the roots (every other row a plain decode row), instead of a plain decode step. False (and
+        nothing done) when no request has such drafts, or the cache is short. Above the disable
+        threshold only forced tokens."""
+        if all(r.params.max_draft_tokens == 0 for r in reqs):
+            return False
+        threshold = self.disable_batch_threshold
+        lookup = threshold is None or len(reqs) <= threshold
         trials, t0 = host.thread_trials(), clock(host.device)
         chains = []
         for r in reqs:
             own = r.params.max_draft_tokens
-            forced = free_drafts(r.shaper, r.all_token_ids, FORCED_ONLY if own is None else min(own, FORCED_ONLY)) \
-                if r.shaper is not None and r.shaper.has_grammar and own != 0 else []
-            chains.append(forced)
+            limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
+            chains.append(free_drafts(r.shaper, r.all_token_ids, limit, lookup) if limit else [])
         if not any(chains) or not host.reserve(reqs, 1 + max(len(c) for c in chains)):
             return False
         b = len(reqs)
@@ -305,15 +310,20 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
     return rebuild_rows(tree, plans)
 
 
-def free_drafts(shaper: LogitsShaper, context: list[int], limit: int) -> list[int]:
-    """A chain of drafts that cost no draft model, at most `limit` tokens, for a request with a
-    grammar (its shaper, at its committed state, where it is left): the tokens the grammar forces
-    (jump-forward), then prompt lookup's continuation of the request's tokens (`context`: prompt and
-    output) and the chain so far (ngram.matched_lookup, as far as its match makes likely), then the
-    tokens forced after those, and so on; the chain ends at the first lookup token the grammar refuses. JSON answers
-    repeat what they and their prompt wrote: keys an array's every object has, the schema's enum
-    values; at batch 1 on the demo, prompt lookup's drafts at the steps with nothing forced were
-    accepted ~half the time."""
+def free_drafts(shaper: LogitsShaper | None, context: list[int], limit: int, lookup: bool = True) -> list[int]:
+    """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
+    at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
+    forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
+    prompt and output) and the chain so far (ngram.matched_lookup, as far as its match makes likely),
+    then the tokens forced after those, and so on; the chain ends at the first lookup token the
+    grammar refuses. Without a grammar: prompt lookup alone. JSON answers repeat what they and their
+    prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
+    demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
+    lookup=False: the forced tokens alone."""
+    if shaper is None or not shaper.has_grammar:
+        return matched_lookup(context, limit) if lookup else []
+    if not lookup:
+        return shaper.forced_tokens(limit)
     out: list[int] = []
     try:
         while len(out) < limit:
@@ -380,7 +390,8 @@ class DraftPlan:
             policy = AdaptivePolicy(self.shape, self.disable_batch_threshold, prior=prior)
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
-        return Speculator(proposer, policy, max_num_seqs, warming=warming)
+        return Speculator(proposer, policy, max_num_seqs, warming=warming,
+                          disable_batch_threshold=self.disable_batch_threshold)
 
 
 def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, dtype: torch.dtype,
