@@ -32,6 +32,11 @@ log = logging.getLogger("augury.speculative")
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
 AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
 FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per request in a step without head drafts
+# the largest batch whose steps without head drafts verify prompt lookup too (above it, forced tokens alone):
+# a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores,
+# varied chats: steps with lookup chains ran at 0.64x of plain decoding's tokens a second at batch 16,
+# and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
+LOOKUP_BATCH = 1
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
@@ -144,12 +149,12 @@ class Speculator:
         tokens a request's grammar forces, keys, punctuation, a fixed value, all but always accepted,
         and prompt lookup where the request's text repeats itself or its prompt), as chains under
         the roots (every other row a plain decode row), instead of a plain decode step. False (and
-        nothing done) when no request has such drafts, or the cache is short. Above the disable
-        threshold only forced tokens."""
+        nothing done) when no request has such drafts, or the cache is short. Prompt lookup only at
+        batches up to LOOKUP_BATCH and the disable threshold; above them forced tokens alone."""
         if all(r.params.max_draft_tokens == 0 for r in reqs):
             return False
         threshold = self.disable_batch_threshold
-        lookup = threshold is None or len(reqs) <= threshold
+        lookup = len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
         trials, t0 = host.thread_trials(), clock(host.device)
         chains = []
         for r in reqs:
