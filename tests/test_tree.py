@@ -230,3 +230,15 @@ def test_prompt_lookup_continues_the_latest_longest_match(vocab: int) -> None:
     assert longest_match([1, 2, 3, 9, 1, 2, 3], 8) == (3, 3)  # "1 2 3" then 9
     assert longest_match([7, 1, 2, 8, 1, 2], 1) == (1, 3)  # capped at one token: the latest "2"
     assert longest_match([1, 2, 3], 8) == (0, -1)
+
+
+def test_a_token_array_follows_its_growing_list() -> None:
+    from augury.speculative.ngram import TokenArray
+
+    arr, toks = TokenArray(), [5, 6, 7]
+    assert arr.of(toks).tolist() == [5, 6, 7]
+    for t in range(300):  # grows past its first buffer, copying only what is new
+        toks.append(t % 11)
+        assert arr.of(toks).tolist() == toks
+    assert arr.of([1, 2]).tolist() == [1, 2]  # another list: started over
+    assert arr.of([1, 7, 3]).tolist() == [1, 7, 3]  # its last known token differs: started over

@@ -262,8 +262,8 @@ def trimmed_mean(xs: list[float]) -> float:
 
 
 class ForcedGate:
-    """Whether the drafts that cost no draft model (a grammar's forced tokens and prompt lookup under
-    it: RequestShaper.free_drafts) are verified alone (a step with no head drafts) or the tokens
+    """Whether the drafts that cost no draft model (a grammar's forced tokens, and at batch 1 prompt
+    lookup: worker.free_drafts) are verified alone (a step with no head drafts) or the tokens
     decoded one per plain step, per batch bucket, by measurement (the first FORCED_SEEN steps of a
     bucket decode plainly, timing that). A forced token costs a verification row: where rows are
     memory-bound (batch 1: 16 rows ~3x one) a chain of them is nearly free, where they are

@@ -15,7 +15,7 @@ MATCH_MAX = 8  # the longest suffix matched_lookup matches
 MATCH_REACH = 1  # tokens it drafts per matched token
 
 
-def longest_match(tokens: Sequence[int], max_n: int) -> tuple[int, int]:
+def longest_match(tokens: Sequence[int] | np.ndarray, max_n: int) -> tuple[int, int]:
     """(n, at): the longest suffix of tokens, at most max_n tokens, that occurred earlier with at least
     one token after it, and where the latest such occurrence's next token is (tokens[at]); (0, -1)
     when the last token never occurred before."""
@@ -45,7 +45,7 @@ def lookup(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
     return list(tokens[at:at + k]) if at >= 0 else []
 
 
-def matched_lookup(tokens: Sequence[int], limit: int) -> list[int]:
+def matched_lookup(tokens: Sequence[int] | np.ndarray, limit: int) -> list[int]:
     """Prompt lookup drafting as far as its match makes likely: the tokens after the latest earlier
     occurrence of the longest suffix (up to MATCH_MAX tokens), MATCH_REACH of them per matched token,
     at most `limit`. A long match is a repeated structure (the keys of an array's objects, text quoted
@@ -55,7 +55,31 @@ def matched_lookup(tokens: Sequence[int], limit: int) -> list[int]:
     n, at = longest_match(tokens, MATCH_MAX)
     if at < 0:
         return []
-    return list(tokens[at:at + min(limit, MATCH_REACH * n)])
+    return [int(t) for t in tokens[at:at + min(limit, MATCH_REACH * n)]]
+
+
+class TokenArray:
+    """One request's tokens as a numpy array that grows with them (each step copies only the new
+    ones), so that a lookup in a long context does not convert the whole list every step (a
+    16,000-token list: ~0.35 ms)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.int64)
+        self._n = 0
+
+    def of(self, tokens: Sequence[int]) -> np.ndarray:
+        """tokens (the same list, only ever appended to) as an array (a view: valid until the next call)."""
+        m = len(tokens)
+        if m < self._n or (self._n and tokens[self._n - 1] != self._buf[self._n - 1]):
+            self._n = 0  # not the list it followed: start over
+        if m > len(self._buf):
+            buf = np.empty(max(m, 2 * len(self._buf), 256), dtype=np.int64)
+            buf[:self._n] = self._buf[:self._n]
+            self._buf = buf
+        if m > self._n:
+            self._buf[self._n:m] = tokens[self._n:m]
+            self._n = m
+        return self._buf[:m]
 
 
 class NgramProposer:

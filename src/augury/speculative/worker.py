@@ -8,7 +8,11 @@ ever attended to.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -20,8 +24,8 @@ from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import MASKED_AT_MOST, LogitsShaper, logits_at_allowed, token_logprobs
 from augury.speculative.arms import ForcedGate
-from augury.speculative.ngram import matched_lookup
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
+from augury.speculative.ngram import TokenArray, matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
@@ -61,6 +65,7 @@ class Speculator:
         self.warming = warming
         self._warm_steps = 0
         self.forced_gate = ForcedGate()  # forced-only steps where they pay (arms.py)
+        self._tokens: weakref.WeakKeyDictionary[Request, TokenArray] = weakref.WeakKeyDictionary()  # for lookup
         self._thread_changes = 0  # the host's count of thread-count changes when last seen
 
     def after_warmup(self, host: TargetHost) -> None:
@@ -151,16 +156,18 @@ class Speculator:
         the roots (every other row a plain decode row), instead of a plain decode step. False (and
         nothing done) when no request has such drafts, or the cache is short. Prompt lookup only at
         batches up to LOOKUP_BATCH and the disable threshold; above them forced tokens alone."""
-        if all(r.params.max_draft_tokens == 0 for r in reqs):
-            return False
         threshold = self.disable_batch_threshold
         lookup = len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
+        if all(r.params.max_draft_tokens == 0 for r in reqs) or not lookup and not any(
+                r.shaper is not None and r.shaper.has_grammar for r in reqs):
+            return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
         trials, t0 = host.thread_trials(), clock(host.device)
         chains = []
         for r in reqs:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
-            chains.append(free_drafts(r.shaper, r.all_token_ids, limit, lookup) if limit else [])
+            context = self._tokens.setdefault(r, TokenArray()).of(r.all_token_ids) if lookup else None
+            chains.append(free_drafts(r.shaper, context, limit, lookup) if limit else [])
         if not any(chains) or not host.reserve(reqs, 1 + max(len(c) for c in chains)):
             return False
         b = len(reqs)
@@ -315,16 +322,17 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
     return rebuild_rows(tree, plans)
 
 
-def free_drafts(shaper: LogitsShaper | None, context: list[int], limit: int, lookup: bool = True) -> list[int]:
+def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
+                lookup: bool = True) -> list[int]:
     """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
     at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
     forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
     prompt and output) and the chain so far (ngram.matched_lookup, as far as its match makes likely),
     then the tokens forced after those, and so on; the chain ends at the first lookup token the
-    grammar refuses. Without a grammar: prompt lookup alone. JSON answers repeat what they and their
+    grammar refuses. Without a grammar: prompt lookup alone. lookup=False: the forced tokens alone
+    (context unused). JSON answers repeat what they and their
     prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
-    demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
-    lookup=False: the forced tokens alone."""
+    demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time."""
     if shaper is None or not shaper.has_grammar:
         return matched_lookup(context, limit) if lookup else []
     if not lookup:
@@ -338,7 +346,7 @@ def free_drafts(shaper: LogitsShaper | None, context: list[int], limit: int, loo
             out += forced
             if len(out) >= limit:
                 break
-            drafts = matched_lookup(context + out, limit - len(out))
+            drafts = matched_lookup(np.concatenate((context, out)) if out else context, limit - len(out))
             if not drafts:
                 break
             n = len(drafts) + 1  # the chain under the current state: its first prefix the grammar allows
