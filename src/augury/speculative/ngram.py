@@ -61,7 +61,7 @@ def matched_lookup(tokens: Sequence[int] | np.ndarray, limit: int) -> list[int]:
 class TokenArray:
     """One request's tokens as a numpy array that grows with them (each step copies only the new
     ones), so that a lookup in a long context does not convert the whole list every step (a
-    16,000-token list: ~0.35 ms)."""
+    16,000-token list: ~0.34 ms, the lookup on the array 5 us)."""
 
     def __init__(self) -> None:
         self._buf = np.empty(0, dtype=np.int64)
