@@ -532,3 +532,32 @@ def test_a_change_of_the_thread_count_has_the_policy_measure_afresh(ckpts):
     got = [o.token_ids for o in llm.generate(_prompts(3), _greedy([20] * 3))]
     assert got == want
     assert len(told) == 2 and told[0] < told[1]
+
+
+def test_steps_without_head_drafts_verify_prompt_lookup_exactly(ckpts):
+    """Where the policy drafts nothing (here: a policy that never does), a lone request's step
+    verifies prompt lookup's continuation instead (Speculator._forced_only): greedy output is plain
+    greedy output, seeded sampling plain seeded sampling, and on a bigram target (prompts already in
+    its cycle) the lookups are accepted; at a batch of two, lookup is off (LOOKUP_BATCH) and nothing
+    is verified."""
+    from augury.speculative.policy import StepPlan
+
+    plain = LLM(str(ckpts["bigram"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    llm = LLM(str(ckpts["bigram"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy="adaptive", log_stats_interval=0, max_num_seqs=2)
+    llm.engine.speculator.policy.plan = lambda reqs: StepPlan(None, tuple(0 for _ in reqs))
+    starts = [p[:2] for p in _prompts(3, seed=7)]
+    prompts = [p + o.token_ids for p, o in zip(starts, plain.generate(starts, _greedy([40] * 3), use_tqdm=False))]
+    for params in (SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)):
+        want = [plain.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one at a time: batch 1
+        assert [o.token_ids for o in outs] == want
+        if params.temperature == 0.0:
+            s = [o.spec_stats for o in outs]
+            assert sum(x.num_accepted_draft_tokens for x in s) > sum(x.num_verify_steps for x in s) > 0
+    params = _greedy([30, 30])
+    two = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o.token_ids for o in two] == [o.token_ids for o in plain.generate(prompts[:2], params, use_tqdm=False)]
+    assert all(o.spec_stats.num_verify_steps == 0 for o in two)
+    _assert_no_leak(llm)
