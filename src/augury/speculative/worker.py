@@ -38,8 +38,8 @@ AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree whe
 FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per request in a step without head drafts
 # the largest batch whose steps without head drafts verify prompt lookup too (above it, forced tokens alone):
 # a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores,
-# varied chats: steps with lookup chains ran at 0.64x of plain decoding's tokens a second at batch 16,
-# and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
+# varied chats: steps with lookup chains ran at 0.52-0.76x of plain steps' tokens a second at batch 16 in
+# three runs, and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
 LOOKUP_BATCH = 1
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
