@@ -418,9 +418,9 @@ def test_a_plain_batch_skips_the_rule_but_not_its_probes_or_tries():
 def test_forced_only_steps_run_where_they_pay_and_back_off_where_they_do_not() -> None:
     """ForcedGate (arms.py): a bucket first times plain decoding; then forced-only steps run while
     their goodput holds (batch 1: 10 tokens in 8 ms against 1 in 3 ms, one stalled step in a window
-    or not) and go off after FORCED_WINDOW
-    steps below plain's (batch 16: 28 tokens in 30 ms against 16 in 15 ms), for 32 bucket steps,
-    then 64 after losing again; one bucket's verdict leaves another's alone."""
+    or not) and go off after FORCED_WINDOW steps below plain's (batch 16: 28 tokens in 30 ms against
+    16 in 15 ms), for 32 bucket steps, then 64 after losing again; one bucket's verdict leaves
+    another's alone."""
     from augury.speculative.arms import FORCED_SEEN, FORCED_WINDOW, ForcedGate
 
     g = ForcedGate()
