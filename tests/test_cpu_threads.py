@@ -15,13 +15,14 @@ from conftest import random_prompts
 
 
 def _drive(choice: ThreadChoice, cost, calls: int, rows: int = 1, seed: int = 0, noise: float = 0.3) -> list[int]:
-    """`calls` timed calls whose seconds are cost(threads, call) times a +-noise factor; the counts used."""
+    """`calls` timed calls whose milliseconds are cost(threads, call) times a +-noise factor (times age
+    with the seconds of calls recorded); the counts used."""
     rng = random.Random(seed)
     clock = [0.0]
     used = []
     for i in range(calls):
         def run(n: int, i=i) -> int:
-            clock[0] += cost(n, i) * (1 + rng.uniform(-noise, noise))
+            clock[0] += 1e-3 * cost(n, i) * (1 + rng.uniform(-noise, noise))
             used.append(n)
             return 0
 
@@ -91,7 +92,7 @@ def test_trials_count_the_calls_that_ran_another_count_than_the_chosen_one() -> 
         before, changes = c.trials, c.changes
 
         def run(n: int) -> int:
-            clock[0] += 1.0 if n == 1 else 4.0
+            clock[0] += 1e-3 if n == 1 else 4e-3  # milliseconds (times age with work)
             return n
 
         n = c.timed(1, run, clock=lambda: clock[0])
@@ -116,9 +117,9 @@ def test_a_lucky_fast_call_of_a_losing_count_is_retried_once_without_restarting_
                 twos.append(i)
                 fast = i > 1200 and not lucky[0]
                 lucky[0] = lucky[0] or fast
-                clock[0] += 0.5 if fast else 10.0
+                clock[0] += 0.5e-3 if fast else 10e-3
             else:
-                clock[0] += 1.0
+                clock[0] += 1e-3
             return n
 
         c.timed(1, run, clock=lambda: clock[0])
@@ -152,7 +153,7 @@ def test_row_buckets_are_timed_apart() -> None:
         cost = {(1, 1): 1.0, (1, 2): 1.5, (16, 1): 8.0, (16, 2): 4.5}
 
         def run(n: int, rows=rows) -> int:
-            clock[0] += cost[(rows, n)] * (1 + rng.uniform(-0.3, 0.3))
+            clock[0] += 1e-3 * cost[(rows, n)] * (1 + rng.uniform(-0.3, 0.3))
             return 0
 
         c.timed(rows, run, clock=lambda: clock[0])
@@ -173,7 +174,7 @@ def test_untimed_calls_run_the_settled_count_never_an_exploring_one() -> None:
         cost = {(1, 1): 1.0, (1, 2): 1.5, (16, 1): 8.0, (16, 2): 4.5}
 
         def run(n: int, rows=rows) -> int:
-            clock[0] += cost[(rows, n)]
+            clock[0] += 1e-3 * cost[(rows, n)]
             return 0
 
         c.timed(rows, run, clock=lambda: clock[0])
@@ -360,36 +361,42 @@ def test_torchs_exact_rows_attention_is_the_decode_steps_at_two_threads(monkeypa
 def test_times_age_so_a_rarely_called_bucket_measures_again() -> None:
     """A drafting bucket (16 rows) measured while a busy process shared a core chose one thread; the
     load passed and plain decoding (1 row) measured two threads faster. While bucket 16's times are
-    fresh, a prompt (untimed, 256 rows: the nearest measured bucket's count) runs one thread; once they
-    are older than max_age the prompt follows the bucket measured since, and bucket 16's next calls
-    measure both counts again and choose two."""
-    now = [0.0]
-    c = ThreadChoice(max_threads=lambda: 2, now=lambda: now[0])
+    fresh (taken less than max_age seconds of timed calls ago), a prompt (untimed, 256 rows: the nearest
+    measured bucket's count) runs one thread; once they are older the prompt follows the bucket
+    measured since, and bucket 16's next calls measure both counts again and choose two."""
+    c = ThreadChoice(max_threads=lambda: 2, max_age=1.0)
     _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=16)  # shared: one thread wins
     assert c.best(16) == 1 and c.settled(256) == 1
-    for _ in range(10):  # idle now; a few seconds of plain decoding (two threads win)
-        now[0] += 1.0
-        _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)
-    assert c.best(1) == 2 and c.settled(256) == 1  # bucket 16's times are 10 s old: they still count
-    now[0] += threads.MAX_AGE
-    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 50, rows=1)  # bucket 1 keeps its times fresh
+    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 500, rows=1)  # ~0.55 s of plain decoding (two threads win)
+    assert c.best(1) == 2 and c.settled(256) == 1  # bucket 16's times are ~0.55 s of work old: they still count
+    _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 600, rows=1)  # past max_age; bucket 1 keeps its times fresh
     assert c.settled(256) == 2 and c.best(16) == 1  # bucket 16 keeps its choice until measured again
     used = _drive(c, lambda n, i: 1.0 if n == 2 else 1.8, 12, rows=16)
     assert 2 in used[:3] and c.best(16) == 2 and c.settled(256) == 2
 
 
-def test_a_choice_whose_times_all_aged_still_stands_for_untimed_calls() -> None:
-    """After a long idle spell every time is older than max_age: a prompt then runs the count last
-    chosen (one thread on a shared core), not torch's count with nothing measured (on this VM two
-    threads against a busy process pinned to one core took ~6.5 ms a standalone kernel call, one ~23 us)."""
+def test_an_idle_spell_ages_nothing_and_tries_the_other_count_once() -> None:
+    """Times age with work, not the clock: after a pause longer than max_age the choice and its times
+    still stand (an idle server's next request does not measure every count again: three calls of a
+    count that loses by less than CLEAR_LOSS), and each bucket's next call tries its other count once,
+    in case the load changed meanwhile. A shorter pause tries nothing."""
     now = [0.0]
     c = ThreadChoice(max_threads=lambda: 2, now=lambda: now[0])
-    assert c.settled(64) == 2  # nothing ever measured: torch's count
-    _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 40, rows=1)
+    cost = lambda n, i: 1.0 if n == 1 else 1.5  # noqa: E731
+    _drive(c, cost, 200, rows=1)
+    _drive(c, cost, 200, rows=16)
+    assert c.best(1) == 1 and c.best(16) == 1
+    now[0] += 5.0  # a short pause
+    assert _drive(c, cost, 10, rows=1).count(2) == 0
     now[0] += 10 * threads.MAX_AGE
     assert c.settled(64) == 1 and c.best(1) == 1
-    used = _drive(c, lambda n, i: 1.0 if n == 1 else 10.0, 20, rows=1)  # measured again: both counts once
-    assert used.count(2) == 1 and c.best(1) == 1
+    used = _drive(c, cost, 10, rows=1)
+    assert used[0] == 2 and used.count(2) == 1 and c.best(1) == 1  # one try; the times still counted
+    used = _drive(c, cost, 10, rows=16)  # bucket 16 tries once too
+    assert used[0] == 2 and used.count(2) == 1 and c.best(16) == 1
+    now[0] += 10 * threads.MAX_AGE  # the busy process left while idle: two threads now run at ~half
+    used = _drive(c, lambda n, i: 0.55 if n == 2 else 1.0, 20, rows=1)  # one's time: the try wins, the choice follows
+    assert used[0] == 2 and c.best(1) == 2
 
 
 def test_forgotten_times_leave_the_choices_standing_until_measured_again() -> None:

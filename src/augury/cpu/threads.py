@@ -16,15 +16,20 @@ also grows by how much that count lost, up to explore_max, or further where a tr
 that its share of the time would pass TRY_SHARE: a dear count is tried less often). A new bucket
 starts as its nearest measured neighbour stands (see `ThreadChoice._bucket`). A count replaces the
 current one only when its median is lower by more than `margin` (hysteresis against noise). Times
-age: one older than `max_age` seconds no longer counts, so a bucket called rarely (a drafting step's
-verification rows) measures its counts again at its next call instead of keeping for good what a
-passing load taught it; until then it keeps the count it chose, but untimed calls (below) follow the
-nearest bucket measured within max_age first (a server loaded beside busy processes chose one thread
-for its drafting buckets during the warm-up, and its prompts, which took the nearest measured
-bucket's count, ran one thread ever after: augury-default at 0.85x of augury-off in `augury bench`,
-where every worker loads at once; 2026-12-03, AMX Xeon, 2 threads). For the same reason the
-warm-up request's times are forgotten once it is done (`forget_times`): its choices stand until the
-first requests measure the buckets they call. The
+age with the process's work, not the clock: one taken more than `max_age` seconds of timed calls ago
+no longer counts, so a bucket called rarely (a drafting step's verification rows) measures its
+counts again at its next call instead of keeping for good what a passing load taught it; until then
+it keeps the count it chose, but untimed calls (below) follow the nearest bucket measured within
+max_age first (a server loaded beside busy processes chose one thread for its drafting buckets
+during the warm-up, and its prompts, which took the nearest measured bucket's count, ran one thread
+ever after: augury-default at 0.85x of augury-off in `augury bench`, where every worker loads at
+once; 2026-12-03, AMX Xeon, 2 threads). For the same reason the warm-up request's times are
+forgotten once it is done (`forget_times`): its choices stand until the first requests measure the
+buckets they call. An idle spell ages nothing (with wall-clock ages, every request after 35 s idle
+measured every count of every bucket again, 19-23 tries instead of 0-4 in the JSON bench's 8
+answers, and ran 3.65-3.99 s against 3.28-3.69 s after no pause; AVX-512 EPYC, 2 threads); since the
+load may have changed meanwhile, each bucket's next call after a pause longer than max_age tries its
+other counts once (`idle_tries`), its times still counting. The
 kernels give the same bits with any thread count (threads split rows or columns, never one value's
 sum), so the choice changes speed only. torch's own thread setting, the process's, is never changed.
 
@@ -71,7 +76,7 @@ def torch_outer(n: int):
 
 CLEAR_LOSS = 2.0  # a count whose every time so far is this much slower than another's median loses
 TRY_SHARE = 0.02  # once settled, tries of a losing count cost at most this share of the time (see _gap)
-MAX_AGE = 30.0  # seconds a call's time counts for its bucket (see the module's docstring)
+MAX_AGE = 30.0  # seconds of timed calls a call's time counts for its bucket (see the module's docstring)
 
 
 def candidates(n: int) -> tuple[int, ...]:
@@ -87,13 +92,14 @@ def bucket(rows: int) -> int:
 class _Bucket:
     def __init__(self, arms: tuple[int, ...], window: int, explore_min: int) -> None:
         self.times = {a: deque(maxlen=window) for a in arms}
-        self.stamps = {a: deque(maxlen=window) for a in arms}  # when each of those times was taken
+        self.stamps = {a: deque(maxlen=window) for a in arms}  # the work clock when each was taken
         self.chosen = False  # every count was measured once: `best` is a choice, not the default
         self.best = arms[0]
         self.calls = 0
         self.interval = explore_min
         self.next_explore = explore_min
         self.turn = 0  # which losing count the next exploration tries
+        self.idle_tries = 0  # losing counts to try at the next calls, the gap aside (after an idle spell)
         self.assumed: set[int] = set()  # counts taken as losing from a neighbour bucket (see ThreadChoice._bucket)
 
     def median(self, arm: int) -> float:
@@ -114,8 +120,10 @@ class ThreadChoice:
                  min_samples: int = 3, margin: float = 0.05, explore_min: int = 16, explore_max: int = 256,
                  max_age: float = MAX_AGE, now: Callable[[], float] = time.monotonic) -> None:
         self.max_threads, self.window, self.min_samples = max_threads, window, min_samples
-        self.max_age, self.now = max_age, now
-        self._next_expiry = 0.0  # times are aged at most once a second (see _sync_arms)
+        self.max_age, self.now = max_age, now  # now: the wall clock, for idle spells only
+        self._work = 0.0  # seconds of timed calls recorded: the clock times age by
+        self._next_expiry = 0.0  # times are aged at most once every max_age / 30 of work (see _sync_arms)
+        self._last_pick: float | None = None  # now() at the last pick
         self.margin, self.explore_min, self.explore_max = margin, explore_min, explore_max
         self._arms: tuple[int, ...] = ()
         self._buckets: dict[int, _Bucket] = {}
@@ -125,15 +133,26 @@ class ThreadChoice:
         self._lock = threading.Lock()
 
     def _sync_arms(self) -> None:
-        """The candidates as torch's count stands now (changed: start over), and no time older than max_age."""
+        """The candidates as torch's count stands now (changed: start over), and no time older than
+        max_age seconds of work."""
         arms = candidates(self.max_threads())
         if arms != self._arms:  # torch's thread count changed: start over
             self._arms, self._buckets = arms, {}
-        now = self.now()
-        if now >= self._next_expiry:
-            self._next_expiry = now + 1.0
+        work = self._work
+        if work >= self._next_expiry:
+            self._next_expiry = work + self.max_age / 30
             for b in self._buckets.values():
-                b.expire(now - self.max_age)
+                b.expire(work - self.max_age)
+
+    def _after_idle(self) -> None:
+        """After a pause (no call for more than max_age seconds) each bucket tries its other counts once
+        at its next calls: the machine's load may have changed while nothing ran, and the times taken
+        before still count (they age with work only)."""
+        now = self.now()
+        if self._last_pick is not None and now - self._last_pick > self.max_age:
+            for b in self._buckets.values():
+                b.idle_tries = len(b.times) - 1
+        self._last_pick = now
 
     def _bucket(self, rows: int) -> _Bucket:
         """The bucket of `rows`, made on first use. A new bucket next to one whose counts are all
@@ -174,6 +193,7 @@ class ThreadChoice:
     def pick(self, rows: int) -> int:
         """The thread count for a call over `rows` rows (time it and `record` it)."""
         with self._lock:
+            self._after_idle()
             b = self._bucket(rows)
             b.calls += 1
             short = [a for a in b.times if not self._measured(b, a)] if len(b.times) > 1 else []
@@ -184,6 +204,11 @@ class ThreadChoice:
                 #          core each call of two threads cost ~30 ms against 2.5 for one)
                 unseen = [a for a in short if not b.times[a]]
                 arm = unseen[0] if unseen else min(short, key=b.median)
+            elif b.idle_tries > 0:  # after an idle spell: each other count once (see _after_idle)
+                b.idle_tries -= 1
+                others = [a for a in b.times if a != b.best]
+                arm = others[b.turn % len(others)]
+                b.turn += 1
             elif b.calls >= b.next_explore:
                 others = [a for a in b.times if a != b.best]
                 arm = others[b.turn % len(others)]
@@ -200,11 +225,12 @@ class ThreadChoice:
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """A call over `rows` rows ran with `threads` threads in `seconds`."""
         with self._lock:
+            self._work += seconds
             b = self._bucket(rows)
             if threads not in b.times:
                 return
             b.times[threads].append(seconds)
-            b.stamps[threads].append(self.now())
+            b.stamps[threads].append(self._work)
             if not all(self._measured(b, a) for a in b.times):
                 return
             b.chosen = True
