@@ -121,6 +121,54 @@ def test_a_failed_cpu_kernels_stage_warns_and_runs_torch(tiny_checkpoint, monkey
 
 
 @needs_kernels
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_short_prompt_prefills_on_kernel_rows_with_the_bits_of_decoding_it(family, tiny_checkpoint, monkeypatch,
+                                                                             count_fused) -> None:
+    """A lone prompt chunk ending within PREFILL_ROWS_MAX positions is exact rows on augury's attention
+    kernel (through the fused stack, untimed): every token's hidden state and cached key and value are
+    bit for bit what decoding the prompt one token at a time gives, and what prefilling it in two chunks
+    gives. A longer chunk, or a batch of prompts of different lengths, takes torch's attention."""
+    from augury.attention import paged
+
+    llm = LLM(str(tiny_checkpoint(family)), dtype="bfloat16", quantization="int4", speculative_algorithm="none",
+              log_stats_interval=0)
+    eng, model, bs = llm.engine, llm.engine.model, llm.engine.allocator.block_size
+    backend = paged.PagedBackend(eng.kv.k, eng.kv.v, bs)
+    n = 37
+    prompt = torch.randint(3, 200, (1, n), generator=torch.Generator().manual_seed(1))
+    per = -(-n // bs)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(3)]  # free blocks: nothing runs
+
+    def forward(attn, ids, start):
+        with torch.inference_mode():
+            return model(ids, (start + torch.arange(ids.shape[1]))[None], attn)[0][0]
+
+    def cached(table):  # every layer's key and value rows of positions 0 .. n - 1
+        at = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        return eng.kv.k[:, at].clone(), eng.kv.v[:, at].clone()
+
+    attn = backend.prepare_prefill([tables[0]], [0], [n])
+    assert attn.kernel_calls and attn.timed is False
+    before = count_fused["fused"]
+    whole = forward(attn, prompt, 0)
+    assert count_fused["fused"] == before + 1  # one call of the stack for the whole prompt
+    decoded = [forward(backend.prepare_prefill([tables[1]], [0], [1]), prompt[:, :1], 0)]
+    decoded += [forward(backend.prepare_decode([tables[1]], [j]), prompt[:, j : j + 1], j) for j in range(1, n)]
+    assert torch.equal(whole, torch.cat(decoded))
+    first = forward(backend.prepare_prefill([tables[2]], [0], [20]), prompt[:, :20], 0)
+    rest = forward(backend.prepare_prefill([tables[2]], [20], [n - 20]), prompt[:, 20:], 20)
+    assert torch.equal(whole, torch.cat([first, rest]))
+    for a, b in zip(cached(tables[0]), cached(tables[1])):
+        assert torch.equal(a, b)
+    for a, b in zip(cached(tables[0]), cached(tables[2])):
+        assert torch.equal(a, b)
+    assert not backend.prepare_prefill([tables[0], tables[1]], [0, 0], [n, n - 1]).kernel_calls  # lengths differ
+    monkeypatch.setattr(paged, "PREFILL_ROWS_MAX", n - 1)
+    assert not backend.prepare_prefill([tables[0]], [0], [n]).kernel_calls  # past the bound
+    assert backend.prepare_prefill([tables[0]], [0], [n - 1]).kernel_calls
+
+
+@needs_kernels
 def test_decode_rows_read_the_keys_exact_rows_gives_them() -> None:
     """prepare_decode's direct slot lists (augury's attention kernel) against the generic exact rows:
     the same slot mapping, key counts and, up to each row's count, the same slots in the same order."""

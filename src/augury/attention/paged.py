@@ -32,6 +32,15 @@ WIDTH_FREE_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_CALL_SLOTS = 1 << 16
 # without merge_widths, past this many distinct padded widths a batch takes the masked call
 MAX_EXACT_GROUPS = 16
+# Prompt chunks that end within this many positions (context included; every request's chunk as long:
+# a lone prompt) are exact rows on augury's attention kernel, row j reading its request's positions
+# 0 .. ctx + j: through the
+# fused stack, a prompt's forward is one call and its every token's numbers are the ones decoding it
+# would give (no batch- or chunk-dependent blocking). Longer chunks take torch's attention, whose
+# blocked kernel wins there (the demo's forward of one prompt on an AVX-512 EPYC, 2 threads, median of
+# 6 alternating: 100 tokens 52 vs 63 ms, 225 116 vs 139, 400 236 vs 269, 800 669 vs 650, 1,500
+# 1,662 vs 1,474 ms).
+PREFILL_ROWS_MAX = 512
 
 
 def _align(n: int) -> int:
@@ -233,6 +242,7 @@ class StepAttention:
         self.kernel = _attention_kernel(k_cache) if exact is not None else None
         self.kernel_calls: list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._fused_rows = None
+        self.timed = True  # the fused stack times its call for the thread choice (False: a prompt's rows)
         if self.kernel is not None:
             for rows, slots, valid in exact.groups:
                 g, w = valid.shape[0], valid.shape[-1]
@@ -396,6 +406,9 @@ class PagedBackend:
     def prepare_prefill(self, block_tables: list[list[int]], ctx_lens: list[int],
                         q_lens: list[int]) -> StepAttention:
         q = max(q_lens)
+        if q > 1 and min(q_lens) == q and max(ctx_lens) + q <= PREFILL_ROWS_MAX and self.device.type == "cpu" \
+                and _attention_kernel(self.k_cache) is not None:
+            return self._prompt_rows(block_tables, ctx_lens, q)
         parents = torch.full((len(q_lens), 1), -1) if q == 1 else None  # one-token chunks are decode steps
         return self._prepare(block_tables, ctx_lens, q_lens, parents)
 
@@ -427,6 +440,27 @@ class PagedBackend:
         if self._rows_on_kernel(ctx_lens):
             return self._tree_rows(block_tables, ctx_lens, parents.cpu())
         return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
+
+    def _prompt_rows(self, block_tables: list[list[int]], ctx_lens: list[int], q: int) -> StepAttention:
+        """Prompt chunks of q tokens each on augury's attention kernel (PREFILL_ROWS_MAX): token j of
+        request b is written at position ctx_b + j and reads positions 0 .. ctx_b + j, in order (a chain's
+        keys, as _tree_rows gives them, without walking paths). Untimed: a prompt's forward is too rare and
+        too dear for the thread choice to explore on (cpu/threads.py)."""
+        bs = self.block_size
+        ctx_all = np.asarray(ctx_lens)
+        b = len(ctx_lens)
+        span = int(ctx_all.max()) + q
+        bt = _block_array(block_tables, _width(ctx_lens, q, bs))
+        at = np.arange(span)
+        req_slots = bt[:, at // bs] * bs + at % bs  # [B, span]
+        req = np.repeat(np.arange(b), q)
+        pos = np.tile(np.arange(q), b) + ctx_all[req]  # [R] each row's position
+        slots = torch.from_numpy(np.ascontiguousarray(req_slots[req]))  # [R, span]; past nkeys never read
+        slot_mapping = torch.from_numpy(np.ascontiguousarray(req_slots[req, pos]))
+        nkeys = torch.from_numpy((pos + 1).astype(np.int32))
+        att = StepAttention.kernel_rows(self.k_cache, self.v_cache, slot_mapping, slots, nkeys, self.compute_dtype)
+        att.timed = False
+        return att
 
     def _rows_on_kernel(self, ctx_lens: list[int]) -> bool:
         """Whether a step's exact rows go to augury's attention kernel as slot lists built directly

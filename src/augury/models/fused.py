@@ -231,7 +231,9 @@ class FusedStack:
                 slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
                 cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out), _addr(index), cap,
                 self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
-        if self.tp is None:  # the thread count by measurement (cpu/threads.py): same bits with any
+        if self.tp is None and not getattr(attn, "timed", True):  # a prompt's rows: the count settled nearby
+            rc = self.kernel.run(*args[:-1], cpu_threads.settled(b * q))
+        elif self.tp is None:  # the thread count by measurement (cpu/threads.py): same bits with any
             rc = cpu_threads.choice().timed(b * q, lambda n: self.kernel.run(*args[:-1], n))
         else:
             rc = self._run_sharded(args, b * q * hid)
