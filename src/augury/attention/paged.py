@@ -34,12 +34,11 @@ EXACT_CALL_SLOTS = 1 << 16
 MAX_EXACT_GROUPS = 16
 # Prompt chunks that end within this many positions (context included; every request's chunk as long:
 # a lone prompt) are exact rows on augury's attention kernel, row j reading its request's positions
-# 0 .. ctx + j: through the
-# fused stack, a prompt's forward is one call and its every token's numbers are the ones decoding it
-# would give (no batch- or chunk-dependent blocking). Longer chunks take torch's attention, whose
-# blocked kernel wins there (the demo's forward of one prompt on an AVX-512 EPYC, 2 threads, median of
-# 6 alternating: 100 tokens 52 vs 63 ms, 225 116 vs 139, 400 236 vs 269, 800 669 vs 650, 1,500
-# 1,662 vs 1,474 ms).
+# 0 .. ctx + j: through the fused stack, a prompt's forward is one call and its every token's numbers
+# are the ones decoding it would give (no batch- or chunk-dependent blocking). Longer chunks take
+# torch's attention, whose blocked kernel wins there (the demo's forward of one prompt on an AVX-512
+# EPYC, 2 threads, median of 6 alternating, rows vs torch's: 100 tokens 52 vs 63 ms, 225 116 vs 139,
+# 400 236 vs 269, 800 669 vs 650, 1,500 1,662 vs 1,474 ms).
 PREFILL_ROWS_MAX = 512
 
 
