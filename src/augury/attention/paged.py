@@ -36,9 +36,10 @@ MAX_EXACT_GROUPS = 16
 # a lone prompt) are exact rows on augury's attention kernel, row j reading its request's positions
 # 0 .. ctx + j: through the fused stack, a prompt's forward is one call and its every token's numbers
 # are the ones decoding it would give (no batch- or chunk-dependent blocking). Longer chunks take
-# torch's attention, whose blocked kernel wins there (the demo's forward of one prompt on an AVX-512
-# EPYC, 2 threads, median of 6 alternating, rows vs torch's: 100 tokens 52 vs 63 ms, 225 116 vs 139,
-# 400 236 vs 269, 800 669 vs 650, 1,500 1,662 vs 1,474 ms).
+# torch's attention, whose blocked kernel wins there. The demo's prefill time in the engine (AVX-512
+# EPYC, 2 threads, two processes a side alternating, 4 passes each), rows vs the layers: 8 JSON prompts
+# of ~225 tokens 0.94-1.15 vs 1.24-1.66 s (kernels forced to avx2: 1.67-2.66 vs 1.88-2.08 s), 4 prompts
+# of 500 tokens 1.23-1.29 vs 1.43-1.56 s, of 800 2.34-2.43 vs 2.36-2.76 s, of 1,500 6.2-7.2 vs 5.5-5.9 s.
 PREFILL_ROWS_MAX = 512
 
 
