@@ -108,6 +108,14 @@ def _width(ctx_lens: list[int], q_width: int, block_size: int) -> int:
     return -(-(max(ctx_lens) + q_width) // block_size)
 
 
+def _position_slots(block_tables: list[list[int]], ctx_lens: list[int], n: int, block_size: int) -> np.ndarray:
+    """[B, max(ctx_lens) + n]: each request's cache slot of every position 0 .. max(ctx_lens) + n - 1
+    (block 0's slots past a request's blocks, never read)."""
+    bt = _block_array(block_tables, _width(ctx_lens, n, block_size))
+    at = np.arange(max(ctx_lens) + n)
+    return bt[:, at // block_size] * block_size + at % block_size
+
+
 def padded_positions(ctx_lens: list[int], q_lens: list[int], q_width: int) -> torch.Tensor:
     """Positions [B, q_width] (on the CPU) of B requests' new tokens, q_lens[b] of them after ctx_lens[b]
     cached ones, each row padded to q_width. A padding slot repeats its row's last position: past a
@@ -446,15 +454,10 @@ class PagedBackend:
         request b is written at position ctx_b + j and reads positions 0 .. ctx_b + j, in order (a chain's
         keys, as _tree_rows gives them, without walking paths). Untimed: a prompt's forward is too rare and
         too dear for the thread choice to explore on (cpu/threads.py)."""
-        bs = self.block_size
         ctx_all = np.asarray(ctx_lens)
-        b = len(ctx_lens)
-        span = int(ctx_all.max()) + q
-        bt = _block_array(block_tables, _width(ctx_lens, q, bs))
-        at = np.arange(span)
-        req_slots = bt[:, at // bs] * bs + at % bs  # [B, span]
-        req = np.repeat(np.arange(b), q)
-        pos = np.tile(np.arange(q), b) + ctx_all[req]  # [R] each row's position
+        req_slots = _position_slots(block_tables, ctx_lens, q, self.block_size)  # [B, span]
+        req = np.repeat(np.arange(len(ctx_lens)), q)
+        pos = np.tile(np.arange(q), len(ctx_lens)) + ctx_all[req]  # [R] each row's position
         slots = torch.from_numpy(np.ascontiguousarray(req_slots[req]))  # [R, span]; past nkeys never read
         slot_mapping = torch.from_numpy(np.ascontiguousarray(req_slots[req, pos]))
         nkeys = torch.from_numpy((pos + 1).astype(np.int32))
@@ -494,10 +497,7 @@ class PagedBackend:
         nkeys = ctx + path_len
         # each request's slot of every position its rows may read (its context and its tree's nodes):
         # a row's keys are its request's context slots, then its path's, which overwrite what follows
-        span = int(ctx_all.max()) + n
-        bt = _block_array(block_tables, _width(ctx_lens, n, bs))
-        at = np.arange(span)
-        req_slots = bt[:, at // bs] * bs + at % bs  # [B, span]
+        req_slots = _position_slots(block_tables, ctx_lens, n, bs)  # [B, span]
         slots = req_slots[:, : int(nkeys.max())][req]  # [R, W]; past a row's nkeys: never read
         real = idx[None, :] < path_len[:, None]  # [R, N]: the row's k-th path node exists
         row = np.broadcast_to(np.arange(req.shape[0])[:, None], real.shape)[real]
