@@ -231,12 +231,12 @@ class FusedStack:
                 slot_mapping.data_ptr(), slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
                 cos.data_ptr(), sin.data_ptr(), aux.data_ptr(), len(aux_layers), _addr(aux_out), _addr(index), cap,
                 self.model.norm.weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
-        if self.tp is None and not getattr(attn, "timed", True):  # a prompt's rows: the count settled nearby
-            rc = self.kernel.run(*args[:-1], cpu_threads.settled(b * q))
-        elif self.tp is None:  # the thread count by measurement (cpu/threads.py): same bits with any
-            rc = cpu_threads.choice().timed(b * q, lambda n: self.kernel.run(*args[:-1], n))
-        else:
+        if self.tp is not None:
             rc = self._run_sharded(args, b * q * hid)
+        elif getattr(attn, "timed", True):  # the thread count by measurement (cpu/threads.py): same bits with any
+            rc = cpu_threads.choice().timed(b * q, lambda n: self.kernel.run(*args[:-1], n))
+        else:  # a prompt's rows (attention/paged.py's PREFILL_ROWS_MAX): the count settled nearby, untimed
+            rc = self.kernel.run(*args[:-1], cpu_threads.settled(b * q))
         if rc:
             raise RuntimeError(f"the fused forward kernel failed (code {rc}: "
                                f"{'bad shapes or key counts' if rc == 1 else 'out of memory'})")
