@@ -154,50 +154,65 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// one panel's 16 columns against R rows, as two halves of 8 (one ymm lane per column): out[r * 16 + c]
+// one panel's 16 columns against R rows, two ymm registers a row (one lane per column): each
+// broadcast of 4 activation bytes serves both halves of the panel, and the codes are unpacked once
+// per block of rows, one nibble plane at a time (fewer registers live than both planes at once). A
+// pass per half of 8 columns, as before, spent more instructions per product: single-threaded, a
+// 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
+// at 1 row, 0.44 vs 0.41 at 4 and 8 rows. out[r * 16 + c]
 template <int R>
 inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *blk = pc + g * PANEL_BYTES + 32 * h;
-            if (h == 0) prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
-            __m256i ia[R];
-            for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // unrolled whole, the compiler spilled the sums and the weights (~10% slower at 4-16 rows)
-            for (int b = 0; b < 4; b++) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
-                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *blk = pc + g * PANEL_BYTES;
+        prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
+        __m256i ia[R][2];
+        for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, no faster (the sums already fill the registers)
+        for (int b = 0; b < 4; b++) {
+            // the low nibbles' plane for every row, then the high nibbles' (fewer registers live: the
+            // codes are loaded again from L1)
+            for (int plane = 0; plane < 2; plane++) {
+                const __m256i *at = reinterpret_cast<const __m256i *>(blk + 64 * b);
+                __m256i u0 = _mm256_loadu_si256(at), u1 = _mm256_loadu_si256(at + 1);
+                if (plane) u0 = _mm256_srli_epi16(u0, 4), u1 = _mm256_srli_epi16(u1, 4);
+                u0 = _mm256_and_si256(u0, low4), u1 = _mm256_and_si256(u1, low4);
                 for (int r = 0; r < R; r++) {
-                    const int8_t *xr = xq + r * K + g * GROUP + 8 * b;
+                    const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 8 * b + 4 * plane));
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-                    ia[r] = dpbusd256(ia[r], lo, _mm256_set1_epi32(load_i32(xr)));
-                    ia[r] = dpbusd256(ia[r], hi, _mm256_set1_epi32(load_i32(xr + 4)));
+                    ia[r][0] = dpbusd256(ia[r][0], u0, x);
+                    ia[r][1] = dpbusd256(ia[r][1], u1, x);
 #else
                     // AVX2: the group's maddubs pair sums added in int16 (8 x |2 * 15 * 127| < 2^15),
                     // widened to int32 once per group below: the same integers, fewer instructions
-                    ia[r] = _mm256_add_epi16(ia[r], _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xr))),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xr + 4)))));
+                    ia[r][0] = _mm256_add_epi16(ia[r][0], _mm256_maddubs_epi16(u0, x));
+                    ia[r][1] = _mm256_add_epi16(ia[r][1], _mm256_maddubs_epi16(u1, x));
 #endif
                 }
             }
-#if !(defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
-            for (int r = 0; r < R; r++) ia[r] = _mm256_madd_epi16(ia[r], _mm256_set1_epi16(1));
+        }
+        const __m256 sv[2] = {load_bf16x8(ps + g * PANEL), load_bf16x8(ps + g * PANEL + 8)};
+        const __m256 zv[2] = {load_bf16x8(pz + g * PANEL), load_bf16x8(pz + g * PANEL + 8)};
+        for (int r = 0; r < R; r++) {
+            const __m256i x8 = _mm256_set1_epi32(xsum[r * Gp + g] * 8);
+            const __m256 d = _mm256_set1_ps(dx[r * Gp + g]), x = _mm256_set1_ps(xs[r * Gp + g]);
+            for (int h = 0; h < 2; h++) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+                const __m256i sum = ia[r][h];
+#else
+                const __m256i sum = _mm256_madd_epi16(ia[r][h], _mm256_set1_epi16(1));
 #endif
-            const __m256 sv = load_bf16x8(ps + g * PANEL + 8 * h), zv = load_bf16x8(pz + g * PANEL + 8 * h);
-            for (int r = 0; r < R; r++) {
-                const __m256 dot =
-                    _mm256_cvtepi32_ps(_mm256_sub_epi32(ia[r], _mm256_set1_epi32(xsum[r * Gp + g] * 8)));
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * Gp + g])), acc[r]);
-                acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[r * Gp + g]), acc[r]);
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, x8));
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv[h], d), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(zv[h], x, acc[r][h]);
             }
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
     }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r][h]);
 }
 #endif
 
