@@ -338,12 +338,14 @@ def _attn_case(dtype, rows=5, nh=6, nkv=2, hd=16, slots=40, width=12, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_attention_kernel_matches_sdpa_over_each_rows_slots(attn_kernel, dtype) -> None:
+@pytest.mark.parametrize("hd", [16, 24, 64, 80])
+def test_attention_kernel_matches_sdpa_over_each_rows_slots(attn_kernel, dtype, hd) -> None:
     """Row r attends over cache slots slots[r, :nkeys[r]] (GQA: query head h reads key-value head
-    h // (nh / nkv), as torch's enable_gqa), in float32 whatever the cache's dtype."""
-    q, kc, vc, sl, nk = _attn_case(dtype)
+    h // (nh / nkv), as torch's enable_gqa), in float32 whatever the cache's dtype. Head sizes: each
+    way the value rows are split into lanes (16 at a time, 32 on AVX-512, and the 8 or 16 left)."""
+    q, kc, vc, sl, nk = _attn_case(dtype, hd=hd)
     got = attn_kernel.attend_rows(q, kc, vc, sl, nk, 0.25)
-    assert got.dtype == dtype and got.shape == (5, 6 * 16)
+    assert got.dtype == dtype and got.shape == (5, 6 * hd)
     for r in range(5):
         keys, vals = kc[sl[r, : nk[r]]].float(), vc[sl[r, : nk[r]]].float()  # [n, nkv, hd]
         ref = torch.nn.functional.scaled_dot_product_attention(
