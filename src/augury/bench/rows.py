@@ -10,7 +10,10 @@ level; levels the CPU lacks are skipped), loads the demo target as `LLM("demo")`
 the target's forward plus its output layer on a chain of R nodes after a context of C tokens
 (cache contents do not change the cost), against a decode step at the same context, paired:
 each repeat times every row count once, in alternating order, and the ratio is the median over
-repeats of (R rows) / (1 row) of the same repeat. Threads: torch's default unless --threads.
+repeats of (R rows) / (1 row) of the same repeat. Threads: torch's default unless --threads; the
+fused stack's thread choice (cpu/threads.py) first settles over --warmup steps per row count (its
+first calls try every count, 1 thread included), and its later tries stay in the timings (they are
+part of what a step costs): `trials` in the JSON counts them.
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ import time
 ROWS = (1, 2, 4, 8, 16)
 
 
-def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int) -> dict:
+def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int, warmup: int) -> dict:
     import torch
 
     from augury import LLM, cpu
+    from augury.cpu import threads as cpu_threads
 
     llm = LLM("demo", speculative_algorithm="none", log_stats_interval=0)
     engine = llm.engine
@@ -46,8 +50,10 @@ def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int) -> di
             model.logits(h[0])
 
     times: dict[int, list[float]] = {r: [] for r in rows}
-    for r in rows:
-        step(r)  # warm-up
+    for w in range(max(warmup, 1)):  # until the thread choice has measured every count of every bucket
+        for r in rows if w % 2 == 0 else rows[::-1]:
+            step(r)
+    trials = cpu_threads.trials()
     for rep in range(repeats):
         for r in rows if rep % 2 == 0 else rows[::-1]:
             t0 = time.perf_counter()
@@ -56,7 +62,7 @@ def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int) -> di
             times[r].append((time.perf_counter() - t0) / inner)
     status = cpu.status()
     return {"isa": status["kernels_isa"], "host_isa": status["host_isa"], "threads": torch.get_num_threads(),
-            "decode_ms": statistics.median(times[1]) * 1e3,
+            "decode_ms": statistics.median(times[1]) * 1e3, "trials": cpu_threads.trials() - trials,
             "ratio": {r: statistics.median(t / d for t, d in zip(times[r], times[1])) for r in rows}}
 
 
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (default 1,2,4,8,16)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=5, help="steps per timing")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed steps per row count first (default 20)")
     ap.add_argument("--isa", default=None, help="levels to measure, comma-separated (default: every level this CPU runs)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        print(json.dumps(_worker(args.context, rows, args.repeats, args.inner)), flush=True)
+        print(json.dumps(_worker(args.context, rows, args.repeats, args.inner, args.warmup)), flush=True)
         return
     from augury.cpu import isa
 
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         env = dict(os.environ, AUGURY_CPU_ISA=lv)
         cmd = [sys.executable, "-m", "augury.bench.rows", "--worker", "--context", str(args.context),
-               "--rows", ",".join(map(str, rows)), "--repeats", str(args.repeats), "--inner", str(args.inner)]
+               "--rows", ",".join(map(str, rows)), "--repeats", str(args.repeats), "--inner", str(args.inner),
+               "--warmup", str(args.warmup)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
