@@ -91,6 +91,7 @@ inline int32_t load_i32(const int8_t *p) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int ROW_BLOCK = 8;  // rows sharing each weight load (32 zmm registers)
 constexpr int ROW_BLOCK_MAX = 8;  // ... and the most one block takes (see block_rows)
+constexpr int W4_ROW_BLOCK_MAX = 8;  // the same for w4a8's panels
 
 inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
@@ -139,10 +140,15 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
 }
 #else
 constexpr int ROW_BLOCK = 4;  // rows sharing each weight load (16 ymm registers)
-// ... and the most one block takes (see block_rows): 5 or 6 rows' sums and accumulators still fit
-// the registers, and unpacking a panel's codes once more costs more than the wider block (AVX2 EPYC,
-// the demo target's forward: 4 rows 1.51x a decode step, 5 rows 1.96x as 4 + 1)
+// ... and the most one block of w8a8's panels takes (see block_rows): 5 or 6 rows' sums and
+// accumulators still fit the registers, and a pass over the codes for the last row or two costs more
+// than the wider block (single-threaded, 576 x 4,096 in cache, Zen 4 EPYC: 1.88 vs 2.18 cycles per
+// 32 products at 5 rows, 1.85 vs 2.08 at 6)
 constexpr int ROW_BLOCK_MAX = 6;
+// w4a8's panel holds two sums a row (both halves of 16 columns): past 4 rows they spill, so 5 and 6
+// rows go as 4 + 1 and 4 + 2 (the same setting: 0.36 vs 0.38 and 0.34 vs 0.41 ns per 32 products, and
+// with blocks of 5 and 6 compiled in, GCC spilled in the block of 4 too: 0.33 vs 0.41 at 4 and 8 rows)
+constexpr int W4_ROW_BLOCK_MAX = 4;
 
 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -161,7 +167,8 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 // 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
 // at 1 row, 0.44 vs 0.41 at 4 and 8 rows. out[r * 16 + c]
 template <int R>
-inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
+__attribute__((noinline))  // compiled alone, whatever the caller: fewer spills
+void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc[R][2];
@@ -274,10 +281,13 @@ struct StoreY {
 };
 
 // Rows the next register block takes when `rest` are left: ROW_BLOCK, and the last rows together
-// where they fit one block (ROW_BLOCK_MAX): 5 rows one block of 5, 9 a block of 4 then one of 5, a
-// prefill's 64-row tiles blocks of 4 (wider blocks spend more per row where rows are compute-bound:
-// a 1,500-token prefill ~1.5% slower with blocks of 6). A row's sums are the same whatever its block.
-inline int block_rows(int64_t rest) { return rest <= ROW_BLOCK_MAX ? static_cast<int>(rest) : ROW_BLOCK; }
+// where they fit one block (`most`, ROW_BLOCK_MAX for w8a8's panels): there 5 rows one block of 5, 9
+// a block of 4 then one of 5, a prefill's 64-row tiles blocks of 4 (wider blocks spend more per row
+// where rows are compute-bound: a 1,500-token prefill ~1.5% slower with blocks of 6). A row's sums
+// are the same whatever its block.
+inline int block_rows(int64_t rest, int most = ROW_BLOCK_MAX) {
+    return rest <= most ? static_cast<int>(rest) : ROW_BLOCK;
+}
 
 // y[m, n] for every row and column (N a multiple of PANEL); store.row16(m, n0, v) receives y[m, n0 ..
 // n0 + 15] in float32 (no bias added), n0 a multiple of 16. Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
@@ -293,7 +303,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uin
             const uint8_t *pc = codes + p * G * PANEL_BYTES;
             const uint16_t *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
             for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
-                r = block_rows(t1 - m0);
+                r = block_rows(t1 - m0, W4_ROW_BLOCK_MAX);
                 float out[ROW_BLOCK_MAX * PANEL];
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp, *sr = a.xs + m0 * Gp;
@@ -302,9 +312,9 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uin
 #define AUGURY_ROWS(n) \
     case n: panel<n>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-                    AUGURY_ROWS(8) AUGURY_ROWS(7)
+                    AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
 #endif
-                    AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+                    AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
 #undef AUGURY_ROWS
                 }
                 for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
