@@ -63,6 +63,7 @@ def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int, warmu
     status = cpu.status()
     return {"isa": status["kernels_isa"], "host_isa": status["host_isa"], "threads": torch.get_num_threads(),
             "decode_ms": statistics.median(times[1]) * 1e3, "trials": cpu_threads.trials() - trials,
+            "chosen_threads": {r: cpu_threads.choice().best(r) for r in rows},
             "ratio": {r: statistics.median(t / d for t, d in zip(times[r], times[1])) for r in rows}}
 
 
