@@ -10,7 +10,10 @@ level; levels the CPU lacks are skipped), loads the demo target as `LLM("demo")`
 the target's forward plus its output layer on a chain of R nodes after a context of C tokens
 (cache contents do not change the cost), against a decode step at the same context, paired:
 each repeat times every row count once, in alternating order, and the ratio is the median over
-repeats of (R rows) / (1 row) of the same repeat. Threads: torch's default unless --threads; the
+repeats of (R rows) / (1 row) of the same repeat; each level runs in --processes processes (the
+levels' order alternating between rounds), and the table gives the median over them, since on a
+shared machine one process's figures can sit well off the next one's (2026-12-04, Zen 4 EPYC, 8
+rows at avx512_bf16: 1.61x to 2.18x between processes minutes apart). Threads: torch's default unless --threads; the
 fused stack's thread choice (cpu/threads.py) first settles over --warmup steps per row count (its
 first calls try every count, 1 thread included), and its later tries stay in the timings (they are
 part of what a step costs): `trials` in the JSON counts them.
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps per row count first (default 20)")
     ap.add_argument("--isa", default=None, help="levels to measure, comma-separated (default: every level this CPU runs)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--processes", type=int, default=3,
+                    help="worker processes a level (default 3): a process's figures can sit well off another's")
+    ap.add_argument("--json", default=None, help="write every process's figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     rows = tuple(sorted({1, *map(int, args.rows.split(","))}))
@@ -89,28 +95,37 @@ def main(argv: list[str] | None = None) -> None:
     from augury.cpu import isa
 
     levels = args.isa.split(",") if args.isa else [lv for lv in isa.LEVELS if isa.allowed_on_host(lv)]
-    results = []
-    for lv in levels:
-        if not isa.allowed_on_host(lv):
-            print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
-            continue
-        env = dict(os.environ, AUGURY_CPU_ISA=lv)
-        cmd = [sys.executable, "-m", "augury.bench.rows", "--worker", "--context", str(args.context),
-               "--rows", ",".join(map(str, rows)), "--repeats", str(args.repeats), "--inner", str(args.inner),
-               "--warmup", str(args.warmup)]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for lv in [lv for lv in levels if not isa.allowed_on_host(lv)]:
+        print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
+    levels = [lv for lv in levels if isa.allowed_on_host(lv)]
+    runs: dict[str, list[dict]] = {lv: [] for lv in levels}
+    for p in range(max(args.processes, 1)):  # the levels' order alternates between rounds
+        for lv in levels if p % 2 == 0 else levels[::-1]:
+            env = dict(os.environ, AUGURY_CPU_ISA=lv)
+            cmd = [sys.executable, "-m", "augury.bench.rows", "--worker", "--context", str(args.context),
+                   "--rows", ",".join(map(str, rows)), "--repeats", str(args.repeats), "--inner", str(args.inner),
+                   "--warmup", str(args.warmup)]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[lv].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"target forward + logits, R rows (a chain) after {args.context} tokens, / one decode step "
-          f"(paired medians of {args.repeats})")
+          f"(paired medians of {args.repeats} in each process; the median over {args.processes} processes a level, "
+          f"their range in brackets)")
     print("| ISA level | threads | decode step ms | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))
-    for res in results:
-        print(f"| {res['isa']} | {res['threads']} | {res['decode_ms']:.2f} | "
-              + " | ".join(f"{res['ratio'][str(r)]:.2f}x" for r in rows)
-              + " |")
-
+    for lv, res in runs.items():
+        if not res:
+            continue
+        cells = []
+        for r in rows:
+            each = [x["ratio"][str(r)] for x in res]
+            cells.append(f"{statistics.median(each):.2f}x" + (f" ({min(each):.2f}-{max(each):.2f})" if r > 1 and len(res) > 1 else ""))
+        print(f"| {res[0]['isa']} | {res[0]['threads']} | {statistics.median(x['decode_ms'] for x in res):.2f} | "
+              + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
 
 if __name__ == "__main__":
     main()
