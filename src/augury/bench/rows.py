@@ -13,10 +13,10 @@ each repeat times every row count once, in alternating order, and the ratio is t
 repeats of (R rows) / (1 row) of the same repeat; each level runs in --processes processes (the
 levels' order alternating between rounds), and the table gives the median over them, since on a
 shared machine one process's figures can sit well off the next one's (2026-12-04, Zen 4 EPYC, 8
-rows at avx512_bf16: 1.61x to 2.18x between processes minutes apart). Threads: torch's default unless --threads; the
-fused stack's thread choice (cpu/threads.py) first settles over --warmup steps per row count (its
-first calls try every count, 1 thread included), and its later tries stay in the timings (they are
-part of what a step costs): `trials` in the JSON counts them.
+rows at avx512_bf16: 1.61x to 2.18x between processes minutes apart). Threads: torch's default
+unless --threads; the fused stack's thread choice (cpu/threads.py) first settles over --warmup
+steps per row count (its first calls try every count, 1 thread included), and its later tries stay
+in the timings (they are part of what a step costs): `trials` in the JSON counts them.
 """
 from __future__ import annotations
 
