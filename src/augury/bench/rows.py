@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
     levels = [lv for lv in levels if isa.allowed_on_host(lv)]
     runs: dict[str, list[dict]] = {lv: [] for lv in levels}
-    for p in range(max(args.processes, 1)):  # the levels' order alternates between rounds
+    processes = max(args.processes, 1)
+    for p in range(processes):  # the levels' order alternates between rounds
         for lv in levels if p % 2 == 0 else levels[::-1]:
             env = dict(os.environ, AUGURY_CPU_ISA=lv)
             cmd = [sys.executable, "-m", "augury.bench.rows", "--worker", "--context", str(args.context),
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[lv].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"target forward + logits, R rows (a chain) after {args.context} tokens, / one decode step "
-          f"(paired medians of {args.repeats} in each process; the median over {args.processes} processes a level, "
+          f"(paired medians of {args.repeats} in each process; the median over {processes} processes a level, "
           f"their range in brackets)")
     print("| ISA level | threads | decode step ms | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
+
 
 if __name__ == "__main__":
     main()
