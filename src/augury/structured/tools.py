@@ -8,8 +8,9 @@
   parameter schema.
 - `tools_prompt`: the system text that describes the tools to a model whose chat template takes none.
 - `parse_tool_calls` (a whole answer) and `ToolCallStream` (an answer arriving in pieces) turn the
-  text into content and calls; the stream's argument fragments join into the whole answer's
-  arguments, so streamed and non-streamed calls are equal.
+  text into content and calls by one rule per block (`_parse_block`): the stream holds a block back
+  until it is whole, so for every answer and every way of cutting it the stream's deltas join into
+  the whole answer's content and calls.
 Torch-free.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from augury.structured.backend import bounded_strings, clean_error
@@ -112,6 +114,10 @@ def new_call_id() -> str:
 
 
 # ------------------------------------------------------------------------------------ parsing
+# An answer is text and blocks: a block runs from an opening tag to the first closing tag after it, or
+# to the end of the answer when none follows. A block is a call when `_parse_block` says so; any other
+# block is content, tags and all. Content is the text outside calls, stripped, None when empty. Both
+# paths below split by these rules and read each block with `_parse_block` alone.
 
 def _split_call(body: str) -> tuple[str, str] | None:
     """A whole call's body (between the tags) -> (name, arguments JSON text), or None if it is not one."""
@@ -126,7 +132,7 @@ def _split_call(body: str) -> tuple[str, str] | None:
         name = json.loads(f'"{m.group(1)}"')
         if not isinstance(json.loads(args), dict):
             return None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the decoder goes
         return None
     return name, args
 
@@ -141,121 +147,104 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer -> (content: the text outside the calls, stripped, None when empty; calls). A
-    block that does not parse as a call stays in the content."""
-    stream = ToolCallStream()
-    stream.feed(text)
-    stream.finish()
-    return stream.content_text(), stream.calls
+def _parse_block(body: str, names: frozenset[str] | None) -> ToolCall | None:
+    """The one rule for a block's body: a call of a function in `names` (any name when None) whose
+    arguments are a JSON object, else None (the block is content)."""
+    split = _split_call(body)
+    if split is None or (names is not None and split[0] not in names):
+        return None
+    return ToolCall(*split)
+
+
+def parse_tool_calls(text: str, names: Collection[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer -> (content, calls). names: the request's functions; a block calling another
+    one is content (None: any name)."""
+    known = None if names is None else frozenset(names)
+    pieces: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
+    while (i := text.find(OPEN, pos)) >= 0:
+        pieces.append(text[pos:i])
+        start = i + len(OPEN)
+        j = text.find(CLOSE, start)
+        stop, pos = (len(text), len(text)) if j < 0 else (j, j + len(CLOSE))
+        call = _parse_block(text[start:stop], known)
+        if call is None:
+            pieces.append(text[i:pos])
+        else:
+            calls.append(call)
+    pieces.append(text[pos:])
+    return "".join(pieces).strip() or None, calls
 
 
 class ToolCallStream:
-    """Parses an answer as it arrives. feed(text) and finish() return OpenAI chat deltas: {"content":
-    ...} for text outside calls (leading whitespace dropped, trailing whitespace held until more text
-    follows, dropped at the end), and {"tool_calls": [...]} per call: first its index, id, type and
-    name with arguments "", then argument fragments as they come (a fragment is released once no
-    later text can show it belongs to the closing of the call rather than to its arguments)."""
+    """Parses an answer as it arrives, into what `parse_tool_calls` makes of the whole of it, however
+    the answer is cut into pieces. feed(text) and finish() return OpenAI chat deltas: {"content": ...}
+    for text outside calls, released as soon as it cannot be the start of a block (leading whitespace
+    dropped, trailing whitespace held until more content follows, dropped at the end); and per call,
+    once its block is whole and `_parse_block` takes it, {"tool_calls": [...]} with its index, id, type
+    and name (arguments "") and then one with its arguments. A block is held until its closing tag (or
+    the end) because until then nothing tells whether it is a call or content."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = None if names is None else frozenset(names)
         self.calls: list[ToolCall] = []
-        self._buf = ""  # text not yet released (outside calls) or the current call's body so far
-        self._in_call = False
-        self._header: tuple[str, int] | None = None  # the current call's name and where its arguments start
-        self._sent_args = 0  # argument characters of the current call already released
-        self._content: list[str] = []  # released content pieces
+        # outside a block: a tail that may be the start of an opening tag; in one: its body so far
+        self._buf = ""
+        self._in_block = False
+        self._scan = 0  # in a block: the first place in _buf where a closing tag may still start
+        self._started = False  # whether content was released (leading whitespace is dropped until then)
         self._held_ws = ""  # whitespace after the last released content
 
-    def content_text(self) -> str | None:
-        text = "".join(self._content)
-        return text or None
-
-    # ---------------------------------------------------------------------------- content
-    def _release(self, text: str, out: list[dict[str, Any]]) -> None:
-        if not text:
-            return
+    def _content(self, text: str, out: list[dict[str, Any]]) -> None:
         body = text.rstrip()
-        ws_tail = text[len(body):]
         if not body:
-            if self._content:
+            if self._started:
                 self._held_ws += text
             return
-        if not self._content:
-            body = body.lstrip()
-        else:
-            body = self._held_ws + body
-        self._held_ws = ws_tail
-        self._content.append(body)
+        body = self._held_ws + body if self._started else body.lstrip()
+        self._started, self._held_ws = True, text[len(text.rstrip()):]
         out.append({"content": body})
 
-    # ---------------------------------------------------------------------------- calls
-    def _call_progress(self, body: str, out: list[dict[str, Any]]) -> None:
-        """Release the current call's header and the argument text that is surely its own (body: the
-        call's text so far)."""
-        if self._header is None:
-            m = _HEADER.match(body)
-            if m is None or m.end() == len(body):  # more whitespace may still come before the arguments
-                return
-            call = ToolCall(json.loads(f'"{m.group(1)}"'), "")
-            self.calls.append(call)
-            self._header = (call.name, m.end())
-            out.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-        args = body[self._header[1]:]
-        close = args.rfind("}")
-        safe = args[:close].rstrip() if close >= 0 else args.rstrip()
-        self._emit_args(safe, out)
-
-    def _emit_args(self, upto: str, out: list[dict[str, Any]]) -> None:
-        if len(upto) > self._sent_args:
-            piece = upto[self._sent_args:]
-            self._sent_args = len(upto)
-            self.calls[-1].arguments += piece
-            out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]})
-
-    def _end_call(self, body: str, out: list[dict[str, Any]], closed: bool = True) -> None:
-        """The current call's whole body is known (closed: its closing tag was seen)."""
-        whole = _split_call(body)
-        if self._header is None and whole is None:  # not a call: it was text
-            self._in_call = False
-            self._release(OPEN + body + (CLOSE if closed else ""), out)
+    def _block(self, body: str, closed: bool, out: list[dict[str, Any]]) -> None:
+        call = _parse_block(body, self.names)
+        if call is None:
+            self._content(OPEN + body + (CLOSE if closed else ""), out)
             return
-        if self._header is None:
-            self._call_progress(body, out)
-        if whole is not None:
-            self._emit_args(whole[1], out)
-        self._in_call, self._header, self._sent_args = False, None, 0
+        self.calls.append(call)
+        index = len(self.calls) - 1
+        out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
 
-    # ---------------------------------------------------------------------------- feeding
     def feed(self, text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         self._buf += text
         while True:
-            if not self._in_call:
+            if not self._in_block:
                 i = self._buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self._buf, OPEN)
-                    self._release(self._buf[: len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    cut = len(self._buf) - _partial_suffix(self._buf, OPEN)
+                    self._content(self._buf[:cut], out)
+                    self._buf = self._buf[cut:]
                     return out
-                self._release(self._buf[:i], out)
-                self._buf = self._buf[i + len(OPEN):]
-                self._in_call = True
-            j = self._buf.find(CLOSE)
-            if j < 0:
-                self._call_progress(self._buf, out)
+                self._content(self._buf[:i], out)
+                self._buf, self._in_block, self._scan = self._buf[i + len(OPEN):], True, 0
+            j = self._buf.find(CLOSE, self._scan)
+            if j < 0:  # a closing tag may still start in the last len(CLOSE) - 1 characters
+                self._scan = max(0, len(self._buf) - len(CLOSE) + 1)
                 return out
-            body, self._buf = self._buf[:j], self._buf[j + len(CLOSE):]
-            self._end_call(body, out)
+            body, self._buf, self._in_block = self._buf[:j], self._buf[j + len(CLOSE):], False
+            self._block(body, True, out)
 
     def finish(self) -> list[dict[str, Any]]:
-        """The answer ended: a call left open ends here; held text is released."""
+        """The answer ended: a block left open ends here; held text is released."""
         out: list[dict[str, Any]] = []
-        if self._in_call:
-            self._end_call(self._buf, out, closed=False)
+        if self._in_block:
+            self._block(self._buf, False, out)
         else:
-            self._release(self._buf, out)
-        self._buf = ""
+            self._content(self._buf, out)
+        self._buf, self._in_block = "", False
         return out
 
 
