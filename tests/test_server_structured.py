@@ -177,6 +177,20 @@ def test_auto_parses_calls_the_model_writes(client, model):
     assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
 
 
+@pytest.mark.parametrize("call", [r'\{"name": "get_time", "arguments": \[1, 2\]\}',  # arguments not an object
+                                  r'\{"name": "rm", "arguments": \{\}\}'])  # not one of the request's tools
+def test_auto_leaves_a_malformed_call_in_the_content(client, model, call):
+    """A block that is not a call of one of the request's tools is content, streamed or not, and the
+    choice finishes with "stop"."""
+    kw = dict(tools=[WEATHER, TIME], tool_choice="auto",
+              extra_body={"structured_outputs": {"regex": rf"ok <tool_call>\n{call}\n</tool_call>"}})
+    out = _chat(client, model, **kw)
+    msg = out.choices[0].message
+    assert msg.tool_calls is None and out.choices[0].finish_reason == "stop"
+    assert msg.content == "ok <tool_call>\n" + call.replace("\\", "") + "\n</tool_call>"
+    assert _streamed_calls(_chat(client, model, stream=True, **kw)) == (msg.content, [], "stop")
+
+
 def test_tool_results_go_back_through_the_chat_template(client, model):
     first = _chat(client, model, tools=[TIME], tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]

@@ -180,7 +180,7 @@ def create_app(state: ServerState) -> FastAPI:
         def message(i: int, o) -> dict[str, Any]:
             if not job.parse_tools:
                 return {"message": {"role": "assistant", "content": o.text}}
-            content, calls = parse_tool_calls(o.text)
+            content, calls = parse_tool_calls(o.text, job.tool_names)
             out: dict[str, Any] = {"message": {"role": "assistant", "content": content}}
             if calls:
                 out["message"]["tool_calls"] = [c.openai() for c in calls]

@@ -58,6 +58,7 @@ class Job:
     echo: bool = False
     prompt_texts: list[str] | None = None
     parse_tools: bool = False  # chat with tools: answers are parsed for tool calls
+    tool_names: frozenset[str] | None = None  # and the functions a call may name (others are content)
 
     @property
     def prompt_tokens(self) -> int:
@@ -364,7 +365,9 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = [_sampling(req, max_tokens, len(ids), state, None, c, k, None, so) for c in range(n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k, parse_tools=choice != "none")
+    names = frozenset(t["function"]["name"] for t in tools or [])
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k, parse_tools=choice != "none",
+               tool_names=names)
 
 
 def admit(state: ServerState, job: Job) -> RequestGroup:

@@ -170,9 +170,9 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
 async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: float,
                       include_usage: bool) -> AsyncIterator[str]:
     """Chat chunks. With tools, each choice's text goes through a ToolCallStream: text outside calls
-    arrives as content deltas, each call as OpenAI's tool_calls deltas (index, id, type and name
-    first, then argument fragments), and a choice that called a tool and stopped finishes with
-    "tool_calls"."""
+    arrives as content deltas, each call once its block is whole and parses as OpenAI's tool_calls
+    deltas (index, id, type and name first, then its arguments), and a choice that called a tool and
+    stopped finishes with "tool_calls": the same content, calls and finish as the whole answer's."""
     base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     extra = {"usage": None} if include_usage else {}
@@ -193,7 +193,7 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
                 continue
             finish = out.finish_reason
             if job.parse_tools:
-                parser = parsers.setdefault(index, ToolCallStream())
+                parser = parsers.setdefault(index, ToolCallStream(job.tool_names))
                 deltas = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
                 if parser.calls and finish == "stop":
                     finish = "tool_calls"
