@@ -1,23 +1,24 @@
 """The FastAPI application: OpenAI routes, /health, /metrics, /server_info.
 
 Handlers run on the HTTP event loop and never call the Engine; they go through the
-EngineLoop (engine_loop.py). /v1/* and /server_info need the API key when one is set;
-/health and /metrics do not (probes and scrapers carry no keys).
+EngineLoop (engine_loop.py). When an API key is set, every route but /health, /metrics and
+/version (probes and scrapers carry no keys) needs it, checked from the headers before any byte
+of the body is read (KeyCheck). /docs, /redoc and /openapi.json exist only with --enable-docs.
 """
 from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import augury
 from augury import distributed
-from augury.server.errors import APIError, install_error_handlers
+from augury.server.errors import error_response, install_error_handlers
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
@@ -29,7 +30,32 @@ MAX_BODY_BYTES = 16 * 2**20
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # served without the key
+# checks nothing (KeyCheck has, before the body): it puts the Bearer scheme in /openapi.json for /docs
 _bearer = HTTPBearer(auto_error=False)
+
+
+class KeyCheck:
+    """Pure ASGI middleware: with a key set, a request to any path but OPEN_PATHS without
+    `Authorization: Bearer KEY` is answered 401 from its headers alone. It runs outermost, before
+    BodyLimit and FastAPI, so an unauthenticated client cannot make the server read (or buffer) up
+    to MAX_BODY_BYTES of body first; the connection closes after the 401, unread body and all."""
+
+    def __init__(self, app, key: str | None) -> None:
+        self.app, self.key = app, None if key is None else key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        response = error_response(401, "a valid API key is required (Authorization: Bearer KEY)", "invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+        await response(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        value = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = value.partition(b" ")
+        # compare_digest: the time taken says nothing about how much of the key matched
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)
 
 
 class BodyLimit:
@@ -80,23 +106,17 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
+    """The app; /docs, /redoc and /openapi.json only with enable_docs (behind the key like the rest)."""
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="augury", version=augury.__version__,
-                  description="OpenAI-compatible LLM server with load-aware EAGLE-3 speculative decoding")
+                  description="OpenAI-compatible LLM server with load-aware EAGLE-3 speculative decoding", **docs)
     app.state.augury = state
     install_error_handlers(app)
     app.add_middleware(BodyLimit)
+    app.add_middleware(KeyCheck, key=state.api_key)  # added last: runs first, before any body is read
 
-    def require_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-        key = state.api_key
-        if key is None:
-            return
-        given = creds.credentials if creds is not None else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    guarded = [Depends(require_key)]
+    guarded = [Depends(_bearer)]
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

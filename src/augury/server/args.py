@@ -8,6 +8,7 @@ error names the flag the user typed (config.name_flags).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 from augury.config import EngineConfig, ResolvedModel, add_flags, given_options, name_flags
 
 DEFAULT_MAX_QUEUE_SIZE = 256
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,16 @@ class ServeSettings:
     served_model_name: str
     engine: EngineConfig
     tool_call_parser: str | None = "hermes"  # None: tools refused
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json served (behind the key when one is set)
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds a drain waits for requests in flight
     resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
 
     def describe(self) -> dict[str, Any]:
         """For /server_info: everything except the key itself."""
         return {"host": self.host, "port": self.port, "api_key_set": self.api_key is not None,
                 "debug": self.debug, "max_queue_size": self.max_queue_size,
-                "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser}
+                "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser,
+                "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -53,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", type=int, default=DEFAULT_MAX_QUEUE_SIZE,
                    help="requests that may wait beyond --max-num-seqs running ones; more get 429")
     p.add_argument("--debug", action="store_true", help="debug logging, and tracebacks with start-up errors")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (behind --api-key when one is set; default: off)")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, stop admitting (503) and give requests in flight this long to "
+                        "finish before they are cut; a second signal stops at once (default 30)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
                    help="how tool calls are read out of chat answers: hermes (<tool_call> JSON blocks, as SmolLM2 "
                         "and Qwen 2.5 write them; default), or none (requests with tools get a 400)")
@@ -70,6 +80,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue_size < 0:
         raise ValueError(f"--max-queue-size must be a non-negative integer, got {args.max_queue_size}")
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise ValueError(f"--shutdown-timeout must be a non-negative number of seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
     if not args.host:
@@ -79,4 +91,5 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError("--served-model-name must not be empty")
     return ServeSettings(host=args.host, port=args.port, api_key=args.api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine,
-                         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser)
+                         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                         enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout)

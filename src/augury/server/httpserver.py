@@ -114,7 +114,7 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
                         info=info, api_key=settings.api_key,
                         grammar=engine.grammar if engine.tokenizer is not None else None,
                         tool_call_parser=settings.tool_call_parser)
-    config = uvicorn.Config(create_app(state), log_level="debug" if settings.debug else "warning",
+    config = uvicorn.Config(create_app(state, settings.enable_docs), log_level="debug" if settings.debug else "warning",
                             access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,
                             server_header=False)
     return AuguryServer(config, state, settings, failure)
