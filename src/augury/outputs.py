@@ -38,7 +38,8 @@ class RequestOutput:
     """One request's output. ``token_ids`` and ``text`` hold the generated part only.
 
     ``new_token_ids`` is what this engine step added (for streaming); ``finish_reason``
-    is None while running, else "stop" (EOS, stop token or stop string), "length" or "abort".
+    is None while running, else "stop" (EOS, stop token or stop string), "length", "abort", or "error"
+    (a fault of this request alone, ``error`` says which: e.g. its logit shaping left no valid token).
     ``logprobs`` (when SamplingParams.logprobs is set): one TokenLogprobs per generated token,
     ``prompt_logprobs`` (when SamplingParams.prompt_logprobs is set): one per prompt token, None
     for the first (nothing predicts it). See Logprob for which distribution.
@@ -50,6 +51,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    error: str | None = None  # with finish_reason "error": why this request failed
     spec_stats: SpecStats = field(default_factory=SpecStats)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

@@ -15,6 +15,10 @@ import torch
 
 
 MASKED_AT_MOST = 256  # tokens a grammar allows up to which a row's logits are computed at those alone
+# What a row with no valid choice yields instead of a token: every logit -inf (a request's logit bias,
+# bad words or grammar left nothing), or a NaN or infinity in it. The engine ends that request alone
+# with finish_reason "error" (Engine.commit); the rest of its batch goes on untouched.
+NO_TOKEN = -1
 
 
 def logits_at_allowed(allowed: Sequence[np.ndarray | None],
@@ -39,12 +43,19 @@ def logits_at_allowed(allowed: Sequence[np.ndarray | None],
 
 def argmax_ids(logits: torch.Tensor) -> list[int]:
     """logits [..., V] -> each row's greedy token: the index of its largest value, the first one on a
-    tie, as torch.argmax gives it. A float32 tensor on the CPU goes through numpy's argmax (same
-    answer; ~4 us a 49,152-token row against ~62 us for torch 2.13's, 94 against 497 us for 16 rows,
-    on an AMX Xeon: 2% of a demo decode step at batch 1), anything else through torch's."""
+    tie, as torch.argmax gives it, or NO_TOKEN where that value is not finite (the row is all -inf,
+    or holds a NaN: both argmaxes take a NaN as the largest, or +inf). A float32 tensor on the CPU goes
+    through numpy's argmax (same answer; ~4 us a 49,152-token row against ~62 us for torch 2.13's, 94
+    against 497 us for 16 rows, on an AMX Xeon: 2% of a demo decode step at batch 1), anything else
+    through torch's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return np.argmax(logits.detach().numpy(), axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+        arr = logits.detach().numpy()
+        idx = np.argmax(arr, axis=-1)
+        best = np.take_along_axis(arr, idx[..., None], axis=-1)[..., 0]
+        return np.where(np.isfinite(best), idx, NO_TOKEN).tolist()
+    idx = logits.argmax(dim=-1, keepdim=True)
+    best = logits.gather(-1, idx)
+    return torch.where(torch.isfinite(best), idx, NO_TOKEN)[..., 0].tolist()
 
 
 def greedy_ids(logits: torch.Tensor, shapers: Sequence[LogitsShaper | None]) -> list[int]:
@@ -179,7 +190,9 @@ def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=
         probs[need_p] = sub / sub.sum(dim=-1, keepdim=True)
     if bool(greedy.any()):
         g = flat[greedy]
-        probs[greedy] = torch.nn.functional.one_hot(g.argmax(dim=-1), v).to(probs.dtype)
+        best = g.argmax(dim=-1, keepdim=True)
+        hot = torch.nn.functional.one_hot(best[..., 0], v).to(probs.dtype)
+        probs[greedy] = hot * torch.isfinite(g.gather(-1, best))  # no mass (NO_TOKEN) where the best is not finite
     return probs.reshape(logits.shape)
 
 
@@ -192,7 +205,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]):
     from augury.outputs import Logprob
 
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)                # [R, V]
-    idx = torch.tensor(chosen, device=lp.device)[:, None]
+    idx = torch.tensor([max(t, 0) for t in chosen], device=lp.device)[:, None]  # NO_TOKEN: no entry is kept
     got = lp.gather(1, idx)                                                 # [R, 1]
     ranks = ((lp > got).sum(dim=1) + 1).tolist()
     kmax = max(ks, default=0)
@@ -215,12 +228,18 @@ def draw_rows(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     vocabulary against torch.multinomial's ~1.5 ms (CPU, measured), and a function of the row and
     the uniform alone. Rows are scanned independently, so a row's token does not depend on the
     others. A token of probability 0 is never drawn (the first index whose cumulative mass exceeds
-    u * total has positive mass; u rounding up to the total takes the last token with mass)."""
+    u * total has positive mass; u rounding up to the total takes the last token with mass). A row
+    with no mass, or a NaN (the softmax of a row shaping left all -inf, or of non-finite logits),
+    draws NO_TOKEN."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [A, V]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).view(-1, 1) * cdf[:, -1:]
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).view(-1, 1) * total
     picked = torch.searchsorted(cdf, u, right=True).view(-1).tolist()
+    valid = (torch.isfinite(total) & (total > 0)).view(-1).tolist()
     v = cdf.shape[-1]
     for i, idx in enumerate(picked):
-        if idx >= v:
+        if not valid[i]:
+            picked[i] = NO_TOKEN
+        elif idx >= v:
             picked[i] = int(torch.nonzero(probs[i] > 0)[-1].item())
     return picked

@@ -53,6 +53,7 @@ class Request:
         self._all = list(self.prompt_token_ids)  # see all_token_ids
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed, with finish_reason "error" (Engine.fail)
         self.block_table: list[int] = []
         self.num_computed = 0
         # prefix caching (the scheduler's): keys of the leading full blocks (from the tokens alone, so

@@ -30,11 +30,16 @@ from augury.models.config import TargetConfig
 from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
-from augury.sampling import MASKED_AT_MOST, logits_at_allowed, token_logprobs
+from augury.sampling import MASKED_AT_MOST, NO_TOKEN, logits_at_allowed, token_logprobs
 from augury.sampling_params import SamplingParams
 from augury.structured import GrammarBackend, make_shaper
 
 log = logging.getLogger("augury.engine")
+# Engine.fail's reasons for a row with no valid token (sampling.NO_TOKEN): the request's own shaping
+# (a client's doing), or logits that are not finite without any (the model's)
+SHAPED_EMPTY = ("this request's logit_bias, bad_words, penalties or structured output leave every token "
+                "masked, or its logits are not finite")
+NONFINITE = "the model's logits for this request are not finite"
 
 
 class Speculator(Protocol):
@@ -378,30 +383,52 @@ class Engine:
     # ------------------------------------------------------------------ commit
     def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int:
         """Append generated tokens (and their TokenLogprobs, when the request asked for them), stopping
-        at the first finishing one; returns how many."""
-        p = req.params
+        at the first finishing one; returns how many it took (a NO_TOKEN, which ends the request with
+        finish_reason "error", counts)."""
         n = 0
         for tok in tokens:
+            if tok == NO_TOKEN:  # this request's row had no valid choice: it ends here, alone
+                self.fail(req, f"no valid next token at output position {len(req.output_token_ids)}: "
+                          + (SHAPED_EMPTY if req.shaper is not None else NONFINITE))
+                return n + 1
             req.output_token_ids.append(tok)
             if logprobs is not None:
                 req.logprobs.append(logprobs[n])
             n += 1
             self.stats.generation_tokens_total += 1
-            reason = None
-            done = req.shaper is not None and req.shaper.commit(tok)  # the grammar took its stop token
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or done:
-                reason = "stop"
-                if p.stop:  # the stop token's text may also complete a stop string: cut it there
-                    self._hit_stop_string(req)
-            elif p.stop and self._hit_stop_string(req):
-                reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
+            try:
+                reason = self._finish_reason(req, tok)
+            except Exception as exc:  # its grammar refused the token, its text failed: its fault alone
+                self.fail(req, f"{type(exc).__name__}: {exc}")
+                return n
             if reason is not None:
                 req.finish_reason = reason
                 self.scheduler.remove(req)
                 break
         return n
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        """Why req ends now that `tok` is committed (its grammar told of it): "stop", "length" or None."""
+        p = req.params
+        done = req.shaper is not None and req.shaper.commit(tok)  # the grammar took its stop token
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or done:
+            if p.stop:  # the stop token's text may also complete a stop string: cut it there
+                self._hit_stop_string(req)
+            return "stop"
+        if p.stop and self._hit_stop_string(req):
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def fail(self, req: Request, reason: str) -> None:
+        """End one request with finish_reason "error" (its output so far stays; the rest of the batch
+        goes on). For faults that belong to this request alone: its row had no valid token, its grammar
+        refused a committed token, its text could not be detokenized."""
+        log.warning("request %s failed: %s", req.request_id, reason)
+        req.finish_reason, req.error = "error", reason
+        if req.status is not Status.FINISHED:
+            self.scheduler.remove(req)
 
     def _hit_stop_string(self, req: Request) -> bool:
         detok = self._detok.get(req.request_id)
@@ -430,21 +457,15 @@ class Engine:
             detok = self._detok.get(req.request_id)
             new_text = ""
             if detok is not None:
-                if not req.text_frozen:
-                    detok.step(req.output_token_ids)
-                    if req.finish_reason is not None:
-                        detok.flush(req.output_token_ids)
-                shown = len(detok.text)
-                if req.finish_reason is None and req.params.stop:  # the start of a stop string may
-                    shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
-                shown = max(shown, req.num_emitted_chars)
-                new_text = detok.text[req.num_emitted_chars : shown]
-                req.num_emitted_chars = shown
+                try:
+                    new_text = self._new_text(req, detok)
+                except Exception as exc:  # e.g. a tokenizer that cannot decode these ids: this request's fault
+                    self.fail(req, f"the output could not be detokenized ({type(exc).__name__}: {exc})")
             req.num_emitted = len(req.output_token_ids)
             outs.append(RequestOutput(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 token_ids=list(req.output_token_ids), text=detok.text[: req.num_emitted_chars] if detok else "",
-                finish_reason=req.finish_reason, spec_stats=dataclasses.replace(req.spec_stats),
+                finish_reason=req.finish_reason, error=req.error, spec_stats=dataclasses.replace(req.spec_stats),
                 new_token_ids=new_ids, new_text=new_text,
                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                 prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
@@ -455,3 +476,19 @@ class Engine:
                 self._detok.pop(req.request_id, None)
                 self.features.release(req)
         return outs
+
+    @staticmethod
+    def _new_text(req: Request, detok: IncrementalDetokenizer) -> str:
+        """The text this step adds to what req's caller has seen (a stop string's possible start held
+        back while it runs)."""
+        if not req.text_frozen:
+            detok.step(req.output_token_ids)
+            if req.finish_reason is not None:
+                detok.flush(req.output_token_ids)
+        shown = len(detok.text)
+        if req.finish_reason is None and req.params.stop:  # the start of a stop string may
+            shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
+        shown = max(shown, req.num_emitted_chars)
+        new_text = detok.text[req.num_emitted_chars : shown]
+        req.num_emitted_chars = shown
+        return new_text

@@ -7,9 +7,15 @@ before each step, so an abort frees its KV blocks before the next forward. Admis
 bounded: at most max_num_seqs running plus max_queue_size waiting requests are in flight,
 beyond that `submit` raises QueueFull at once instead of queueing without limit.
 
-If a step raises (an engine bug), the requests in flight get an error, are aborted, and the
-loop checks that the engine is clean again (nothing scheduled, every KV block free); if it
-is not, the loop stops for good and reports the failure through `on_fatal`.
+A fault that belongs to one request (its logit shaping leaves no valid token, its grammar refuses
+a token, its text cannot be detokenized) ends that request alone inside the engine (finish_reason
+"error", Engine.fail); it reaches its client as a RequestFailed naming the reason, and the rest of
+the batch goes on untouched. If a step itself raises (an engine bug, no single request to blame), the
+newest request in flight (the usual suspect: whatever it brought is what the step had not seen
+before) is failed and the step is retried once without it; if the retry raises too, every request
+in flight gets an error, is aborted, and the loop checks that the engine is clean again (nothing
+scheduled, every KV block free); if it is not, the loop stops for good and reports the failure
+through `on_fatal`.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from augury.engine.engine import NONFINITE
 from augury.outputs import RequestOutput
 from augury.sampling_params import SamplingParams
 
@@ -171,10 +178,9 @@ class EngineLoop:
                     try:
                         outputs = engine.step()
                     except Exception as exc:  # an engine bug: contain it, or stop for good
-                        self._recover(exc)
-                        outputs = []
+                        outputs = self._recover(exc)
                     self._count_draft_size()
-                    routed = self._route([(out.request_id, out) for out in outputs])
+                    routed = self._route([(out.request_id, _failure_of(out) or out) for out in outputs])
                     self.snapshot = self._take_snapshot(alive=True)  # before a client can see its output
                     self._send(routed)
                 self.snapshot = self._take_snapshot(alive=True)
@@ -204,9 +210,22 @@ class EngineLoop:
                 log.error("could not add request %s", rid, exc_info=exc)
                 self._deliver([(rid, RequestFailed(500, f"could not add the request: {type(exc).__name__}"))])
 
-    def _recover(self, exc: Exception) -> None:
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """After engine.step raised: fail the newest request and retry the step without it (its
+        outputs returned); where that fails too, fail them all (and [] is returned)."""
         engine = self.engine
         self._step_errors += 1
+        if len(engine.requests) > 1:
+            suspect = next(reversed(engine.requests))  # admitted last (the dict keeps admission order)
+            log.error("engine step failed; retrying it without the newest request %s", suspect, exc_info=exc)
+            engine.abort_request(suspect)
+            self._deliver([(suspect, RequestFailed(
+                500, f"the engine failed on the step that first ran this request ({type(exc).__name__})"))])
+            try:
+                return engine.step()
+            except Exception as again:
+                exc = again
+                self._step_errors += 1
         victims = list(engine.requests)
         log.error("engine step failed; failing the %d request(s) in flight", len(victims), exc_info=exc)
         for rid in victims:
@@ -216,6 +235,7 @@ class EngineLoop:
         clean = not engine.has_unfinished_requests() and engine.allocator.num_free == engine.allocator.num_usable
         if not clean:
             raise RuntimeError(f"engine state is inconsistent after a failed step ({type(exc).__name__}: {exc})")
+        return []
 
     def _count_draft_size(self) -> None:
         """One count per decode step the speculation policy decided (its choice: stats.last_draft_tokens)."""
@@ -275,6 +295,15 @@ class EngineLoop:
             num_preemptions=engine.scheduler.num_preemptions, step_errors=self._step_errors, alive=alive,
             prefix_cache_queries=engine.scheduler.prefix_queries, prefix_cache_hits=engine.scheduler.prefix_hits,
         )
+
+
+def _failure_of(out: RequestOutput) -> RequestFailed | None:
+    """A request the engine ended with finish_reason "error" (a fault of its own): the error its
+    client gets, a 400 where its own logit shaping (bias, bad words, grammar) is to blame."""
+    if out.finish_reason != "error":
+        return None
+    status = 500 if (out.error or "").endswith(NONFINITE) else 400
+    return RequestFailed(status, f"this request failed: {out.error}")
 
 
 def _dispatch(routed: list[tuple[RequestGroup, int, object]]) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from augury.sampling import argmax_ids
+from augury.sampling import NO_TOKEN, argmax_ids
 from augury.sampling_params import SamplingParams
 from augury.structured.backend import GrammarBackend, ShapingStats
 
@@ -92,8 +92,8 @@ class RequestShaper:
         a constrained greedy decode row's sampling 0.23 ms with it, 0.13 ms without)."""
         self._shape(logits)
         tok = argmax_ids(logits.view(1, -1))[0]
-        if self._mask(logits, unless=tok):
-            tok = argmax_ids(logits.view(1, -1))[0]
+        if self._mask(logits, unless=tok if tok != NO_TOKEN else None):
+            tok = argmax_ids(logits.view(1, -1))[0]  # NO_TOKEN where the mask left nothing
         return tok
 
     def _mask(self, logits: torch.Tensor, unless: int | None = None) -> bool:
