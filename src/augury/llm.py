@@ -1,6 +1,7 @@
 """The offline Python API (vLLM-like): LLM(...).generate / .chat."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from augury.config import EngineConfig
 from augury.builder import build_engine
 from augury.outputs import RequestOutput
 from augury.resolve import resolve
-from augury.sampling_params import SamplingParams
+from augury.sampling_params import OutputKind, SamplingParams
 
 
 class LLM:
@@ -41,6 +42,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order, each holding the whole answer
+        (SamplingParams.output_kind does not apply here: it shapes Engine.step's outputs)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
@@ -73,6 +76,10 @@ class LLM:
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        # only final outputs are kept: the engine builds nothing before a request ends, whatever
+        # output_kind the caller gave (each result holds the whole answer)
+        final = OutputKind.FINAL_ONLY
+        params = [p if p.output_kind is final else dataclasses.replace(p, output_kind=final) for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated where they are made."""
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -9,6 +10,18 @@ from typing import Any
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM)
 MAX_LOGPROBS = 20  # most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class OutputKind(str, enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's RequestOutputKind).
+
+    cumulative: everything generated so far, every step (the engine's default); delta: only what
+    this step added (a stream concatenates them); final_only: one output, when the request
+    finishes, with everything (what a non-streamed answer needs)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -98,6 +111,9 @@ class SamplingParams:
     ``structured_outputs`` masks every token its grammar does not allow. ``min_p`` in [0, 1] then
     drops tokens less probable than min_p x the most probable one (after temperature and top-k,
     before top-p).
+
+    ``output_kind`` (an OutputKind, or its value as a string): whether the engine's outputs for this
+    request are cumulative (default), deltas, or one final output (see OutputKind).
     """
 
     max_tokens: int = 16
@@ -118,6 +134,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +168,11 @@ class SamplingParams:
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
         self._check_shaping()
+        try:
+            self.output_kind = OutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {', '.join(k.value for k in OutputKind)}, "
+                             f"got {self.output_kind!r}") from None
 
     def _check_shaping(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -42,7 +42,8 @@ class Request:
     (`advance`); the scheduler owns status, block_table and the prefix-cache fields (and
     `reset_for_recompute` on preemption, `start_from_cache` on a hit); the EAGLE-3 proposer
     owns draft_len and consumes the pending features the engine
-    adds; the engine's emit step owns num_emitted, num_emitted_chars and text_frozen.
+    adds; the engine's emit step owns num_emitted, num_emitted_chars, first_token_time and
+    text_frozen.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -82,6 +83,7 @@ class Request:
         self.num_emitted = 0  # output tokens already reported to the caller
         self.num_emitted_chars = 0  # output text already reported to the caller
         self.text_frozen = False  # a stop string ended the text
+        self.first_token_time: float | None = None  # time.monotonic() when the first output token was emitted
         # SamplingParams.logprobs / prompt_logprobs: one entry per output token (commit appends), and per
         # prompt token (prefill appends; position 0 has none); kept across a preemption's recompute
         self.logprobs: list[dict] = []
