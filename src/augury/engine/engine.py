@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from typing import Protocol
 
@@ -31,7 +32,7 @@ from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
 from augury.outputs import RequestOutput
 from augury.sampling import MASKED_AT_MOST, NO_TOKEN, logits_at_allowed, token_logprobs
-from augury.sampling_params import SamplingParams
+from augury.sampling_params import OutputKind, SamplingParams
 from augury.structured import GrammarBackend, make_shaper
 
 log = logging.getLogger("augury.engine")
@@ -449,46 +450,65 @@ class Engine:
         return False
 
     def _emit(self, touched: list[Request]) -> list[RequestOutput]:
+        """The outputs of this step's requests, each of its request's SamplingParams.output_kind: a
+        delta output holds only what the step added and a final_only request is silent until it
+        finishes, so neither copies the request's history per step (a cumulative output does)."""
         outs = []
+        now = time.monotonic()
         for req in touched:
-            new_ids = req.output_token_ids[req.num_emitted :]
-            if not new_ids and req.finish_reason is None:
+            finished = req.finish_reason is not None
+            n = len(req.output_token_ids)
+            if n == req.num_emitted and not finished:
                 continue
+            if req.first_token_time is None and n:
+                req.first_token_time = now
             detok = self._detok.get(req.request_id)
-            new_text = ""
-            if detok is not None:
-                try:
-                    new_text = self._new_text(req, detok)
+            if detok is not None and not req.text_frozen:
+                try:  # every step, whatever the kind: the text comes out the same
+                    detok.step(req.output_token_ids)
+                    if finished:
+                        detok.flush(req.output_token_ids)
                 except Exception as exc:  # e.g. a tokenizer that cannot decode these ids: this request's fault
                     self.fail(req, f"the output could not be detokenized ({type(exc).__name__}: {exc})")
-            req.num_emitted = len(req.output_token_ids)
-            outs.append(RequestOutput(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                token_ids=list(req.output_token_ids), text=detok.text[: req.num_emitted_chars] if detok else "",
-                finish_reason=req.finish_reason, error=req.error, spec_stats=dataclasses.replace(req.spec_stats),
-                new_token_ids=new_ids, new_text=new_text,
-                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-                prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-                num_cached_tokens=req.num_cached_tokens,
-            ))
-            if req.finish_reason is not None:
+                    finished = True
+            kind = req.params.output_kind
+            if kind is OutputKind.FINAL_ONLY and not finished:
+                continue
+            outs.append(self._output(req, detok, kind))
+            if finished:
                 self.requests.pop(req.request_id, None)
                 self._detok.pop(req.request_id, None)
                 self.features.release(req)
         return outs
 
-    @staticmethod
-    def _new_text(req: Request, detok: IncrementalDetokenizer) -> str:
-        """The text this step adds to what req's caller has seen (a stop string's possible start held
-        back while it runs)."""
-        if not req.text_frozen:
-            detok.step(req.output_token_ids)
-            if req.finish_reason is not None:
-                detok.flush(req.output_token_ids)
-        shown = len(detok.text)
-        if req.finish_reason is None and req.params.stop:  # the start of a stop string may
-            shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
-        shown = max(shown, req.num_emitted_chars)
-        new_text = detok.text[req.num_emitted_chars : shown]
-        req.num_emitted_chars = shown
-        return new_text
+    def _output(self, req: Request, detok: IncrementalDetokenizer | None, kind: OutputKind) -> RequestOutput:
+        """req's output since its last one (num_emitted tokens, num_emitted_chars characters ago)."""
+        start = req.num_emitted
+        new_ids = req.output_token_ids[start:]
+        new_text = ""
+        if detok is not None:
+            shown = len(detok.text)
+            if req.finish_reason is None and req.params.stop:  # the start of a stop string may
+                shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
+            shown = max(shown, req.num_emitted_chars)
+            new_text = detok.text[req.num_emitted_chars : shown]
+            req.num_emitted_chars = shown
+        req.num_emitted = len(req.output_token_ids)
+        lps = req.params.logprobs is not None
+        plps = req.params.prompt_logprobs is not None
+        if kind is OutputKind.DELTA:
+            token_ids, text = new_ids, new_text
+            logprobs = req.logprobs[start:] if lps else None
+            # every prompt entry is known once a token is emitted (prefill is over): all in the first output
+            prompt_logprobs = (list(req.prompt_logprobs) if start == 0 else []) if plps else None
+        else:
+            token_ids = list(req.output_token_ids)
+            text = detok.text[: req.num_emitted_chars] if detok is not None else ""
+            logprobs = list(req.logprobs) if lps else None
+            prompt_logprobs = list(req.prompt_logprobs) if plps else None
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=token_ids, text=text,
+            finish_reason=req.finish_reason, spec_stats=dataclasses.replace(req.spec_stats),
+            new_token_ids=new_ids, new_text=new_text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens, first_token_time=req.first_token_time, error=req.error,
+        )

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from augury.engine.engine import NONFINITE
-from augury.outputs import RequestOutput
-from augury.sampling_params import SamplingParams
+from augury.outputs import MergedOutputs, RequestOutput
+from augury.sampling_params import OutputKind, SamplingParams
 
 log = logging.getLogger("augury.server")
 
@@ -75,25 +75,67 @@ class Snapshot:
 
 @dataclass
 class RequestGroup:
-    """The engine requests of one HTTP request; outputs arrive as (index, output)."""
+    """The engine requests of one HTTP request; outputs arrive as (index, output).
+
+    What the reader has not taken yet is held per member, each new output merged into the one
+    waiting (outputs.MergedOutputs; `delta[i]`: whether member i's outputs are deltas): a reader
+    that stops reading holds at most one pending output per member, of the size of what it has not
+    read, never a queue of copies. An error (RequestFailed, EngineUnavailable) comes after the
+    member's pending output."""
 
     request_ids: list[str]
     owner: "EngineLoop"
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    delta: list[bool]
     done: set[int] = field(default_factory=set)
+    _pending: dict[int, RequestOutput | MergedOutputs] = field(default_factory=dict)  # in order of arrival
+    _failed: dict[int, BaseException] = field(default_factory=dict)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def put(self, index: int, item: RequestOutput | BaseException) -> None:
+        """One output (or error) of member `index`; on the event loop's thread only."""
+        if isinstance(item, BaseException):
+            self._failed[index] = item
+        else:
+            held = self._pending.get(index)
+            if held is None:
+                self._pending[index] = item
+            elif isinstance(held, MergedOutputs):
+                held.add(item)
+            else:
+                merged = self._pending[index] = MergedOutputs(held, self.delta[index])
+                merged.add(item)
+        self._ready.set()
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while len(self.done) < len(self.request_ids):
-            index, item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.done.add(index)
-                raise item
-            if item.finished:
-                self.done.add(index)
-            yield index, item
+            while not (self._pending or self._failed):
+                self._ready.clear()
+                await self._ready.wait()
+            if self._pending:
+                index = next(iter(self._pending))
+                item = self._pending.pop(index)
+                out = item.take() if isinstance(item, MergedOutputs) else item
+                if out.finished:
+                    self.done.add(index)
+                yield index, out
+                continue
+            index, exc = self._failed.popitem()
+            self.done.add(index)
+            raise exc
+
+    @property
+    def pending_outputs(self) -> int:
+        """Outputs (and errors) waiting for the reader: at most one per member."""
+        return len(self._pending) + len(self._failed)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Token ids the waiting outputs hold (a cumulative output's whole list counts)."""
+        return sum(held.held_tokens if isinstance(held, MergedOutputs) else len(held.token_ids)
+                   for held in self._pending.values())
 
     @property
     def finished(self) -> bool:
@@ -136,7 +178,7 @@ class EngineLoop:
     def submit(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> RequestGroup:
         """Admit all of one HTTP request's prompts at once, or none (QueueFull, EngineUnavailable)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = RequestGroup(ids, self)
+        group = RequestGroup(ids, self, [p.output_kind is OutputKind.DELTA for p in params])
         with self._cond:
             if not self.alive:
                 raise EngineUnavailable("the engine is not running")
@@ -308,4 +350,4 @@ def _failure_of(out: RequestOutput) -> RequestFailed | None:
 
 def _dispatch(routed: list[tuple[RequestGroup, int, object]]) -> None:
     for group, index, item in routed:
-        group.queue.put_nowait((index, item))
+        group.put(index, item)
