@@ -1,13 +1,15 @@
-"""GGUF (llama.cpp) -> Hugging Face checkpoint folder, for the `llama` architecture.
+"""GGUF (llama.cpp) -> Hugging Face checkpoint folder, for the `llama`, `qwen2` and `qwen3`
+architectures (what each means: models/gguf_arch.py).
 
 The output folder holds config.json, model.safetensors (HF tensor names),
 generation_config.json and the tokenizer files (with the chat template), so any
-HF-folder loader, ours included, can read it. Quantised tensors are dequantised
-with the `gguf` package and stored in `dtype`.
+HF-folder loader, ours and transformers' included, can read it. Quantised tensors are
+dequantised with the `gguf` package and stored in `dtype`.
 
-llama.cpp's converter permutes the rows of attn_q / attn_k from HF's rotate-half
-RoPE layout (per head: first half of the pairs, then the second half) to the
-GGML interleaved layout (per head: pairs adjacent). We undo that here.
+For the llama architecture, llama.cpp's converter permutes the rows of attn_q / attn_k from
+HF's rotate-half RoPE layout (per head: first half of the pairs, then the second half) to the
+GGML interleaved layout (per head: pairs adjacent). We undo that here; qwen2 / qwen3 files are
+not permuted. A Llama 3.1-style `rope_freqs.weight` becomes config.json's llama3 rope_scaling.
 
 Q4_0 / Q4_1 tensors are also written in exact value, unrounded, to a side file
 (`INT4_FILE`, described by `INT4_INDEX`) that augury's loader runs natively as int4
@@ -30,28 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from augury.models.gguf_arch import ROPE_FREQS, arch_spec, expected_shapes, hf_name, read_config
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
-_ARCH = "llama"
-
-# GGUF tensor name -> HF tensor name, for tensors outside the layer stack.
-_GLOBAL_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# GGUF per-layer short name ("blk.N.<short>.weight") -> HF module under model.layers.N.
-_LAYER_NAMES: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
@@ -78,99 +61,6 @@ def _meta(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
             raise ValueError(f"GGUF metadata key {key!r} is missing")
         return default
     return field.contents()
-
-
-def _f32(value: Any) -> float:
-    """GGUF stores floats as float32; 7 significant digits recover the value the converter was given."""
-    return float(f"{float(value):.7g}")
-
-
-def _int_meta(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> int:
-    value = _meta(reader, key, default)
-    if not isinstance(value, (int, np.integer)):  # per-layer arrays (OpenELM style) are not llama
-        raise ValueError(f"GGUF metadata {key!r} = {value!r} is not a single integer")
-    return int(value)
-
-
-def _read_config(reader: gguf.GGUFReader, vocab_rows: int, tied: bool) -> dict[str, Any]:
-    """Builds the HF LlamaConfig dict from the `llama.*` metadata."""
-    a = _ARCH
-    hidden = _int_meta(reader, f"{a}.embedding_length")
-    heads = _int_meta(reader, f"{a}.attention.head_count")
-    kv_heads = _int_meta(reader, f"{a}.attention.head_count_kv", heads)
-    head_dim = _int_meta(reader, f"{a}.attention.key_length", hidden // heads)
-    rope_dim = _int_meta(reader, f"{a}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) "
-                         "are not supported")
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = _meta(reader, f"{a}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _f32(_meta(reader, f"{a}.rope.scaling.factor"))}
-    elif scaling_type != "none":
-        raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
-    vocab = _int_meta(reader, f"{a}.vocab_size", vocab_rows)
-    if vocab != vocab_rows:
-        raise ValueError(f"vocab_size {vocab} disagrees with token_embd.weight rows {vocab_rows}")
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": _int_meta(reader, f"{a}.feed_forward_length"),
-        "num_hidden_layers": _int_meta(reader, f"{a}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(_meta(reader, f"{a}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(_meta(reader, f"{a}.rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": _int_meta(reader, f"{a}.context_length"),
-        "vocab_size": vocab,
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-    }
-    for name in ("bos", "eos", "padding"):
-        token_id = _meta(reader, f"tokenizer.ggml.{name}_token_id", None)
-        if token_id is not None:
-            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(token_id)
-    return config
-
-
-def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape (torch order: [out_features, in_features]) of every tensor we must write."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q_rows = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv_rows = cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    per_layer = {
-        "input_layernorm": (h,), "post_attention_layernorm": (h,),
-        "self_attn.q_proj": (q_rows, h), "self_attn.k_proj": (kv_rows, h),
-        "self_attn.v_proj": (kv_rows, h), "self_attn.o_proj": (h, q_rows),
-        "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
-    }
-    for layer in range(cfg["num_hidden_layers"]):
-        for module, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{module}.weight"] = shape
-    return shapes
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
-        module = _LAYER_NAMES.get(parts[2])
-        if module is not None:
-            return f"model.layers.{parts[1]}.{module}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError("GGUF tensor rope_freqs.weight (Llama-3.1-style rope scaling) is not supported")
-    raise ValueError(f"unsupported GGUF tensor {gguf_name!r} for a llama model")
 
 
 def _dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
@@ -240,7 +130,7 @@ def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out: Path) -> None
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                        dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Converts a llama-architecture GGUF file into a Hugging Face checkpoint folder.
+    """Converts a llama / qwen2 / qwen3 GGUF file into a Hugging Face checkpoint folder.
 
     Everything is written into a temporary sibling folder that is renamed onto
     `out_dir` at the end, so `out_dir` either is complete or does not exist.
@@ -254,8 +144,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
         raise FileExistsError(f"output folder {out_dir} already exists; remove it or choose another")
     reader = _open(gguf_path)
     arch = _meta(reader, "general.architecture", None)
-    if arch != _ARCH:
-        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only {_ARCH!r})")
+    spec = arch_spec(arch, str(gguf_path))
 
     by_name = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
@@ -264,11 +153,14 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
     if "token_embd.weight" not in by_name:
         raise ValueError(f"{gguf_path}: tensor 'token_embd.weight' is missing")
     vocab_rows = int(by_name["token_embd.weight"].shape[-1])  # GGUF shape is [hidden, vocab]
-    config = _read_config(reader, vocab_rows, tied="output.weight" not in by_name)
+    freqs = by_name.pop(ROPE_FREQS, None)  # Llama 3.1-style rope scaling: into config.json, not a weight
+    config = read_config(lambda key, *default: _meta(reader, key, *default), arch, spec, vocab_rows,
+                         tied="output.weight" not in by_name,
+                         rope_freqs=None if freqs is None else _load_tensor(freqs, torch.float32).numpy())
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
-    expected = _expected_shapes(config)
+    expected = expected_shapes(config, spec)
 
-    hf_to_gguf = {_hf_name(name): name for name in by_name}
+    hf_to_gguf = {hf_name(name, arch): name for name in by_name}
     missing = sorted(set(expected) - set(hf_to_gguf))
     extra = sorted(set(hf_to_gguf) - set(expected))
     if missing or extra:
@@ -280,23 +172,23 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
         tensors: dict[str, torch.Tensor] = {}
         int4: dict[str, torch.Tensor] = {}
         source_types: dict[str, str] = {}
-        for hf_name, shape in expected.items():
-            t = by_name[hf_to_gguf[hf_name]]
+        for name, shape in expected.items():
+            t = by_name[hf_to_gguf[name]]
             w = _load_tensor(t, dtype)
             if tuple(w.shape) != shape:
-                raise ValueError(f"tensor {hf_name} has shape {tuple(w.shape)}, expected {shape}")
-            source_types[hf_name] = t.tensor_type.name
+                raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {shape}")
+            source_types[name] = t.tensor_type.name
             parts = _repack_q4(t) if t.tensor_type in _Q4_TYPES else {}
             heads = None
-            if hf_name.endswith("self_attn.q_proj.weight"):  # [heads * head_dim, hidden]
+            if spec.permuted_qk and name.endswith("self_attn.q_proj.weight"):  # [heads * head_dim, hidden]
                 heads = config["num_attention_heads"]
-            elif hf_name.endswith("self_attn.k_proj.weight"):  # [kv_heads * head_dim, hidden]
+            elif spec.permuted_qk and name.endswith("self_attn.k_proj.weight"):  # [kv_heads * head_dim, hidden]
                 heads = config["num_key_value_heads"]
             if heads is not None:  # rows permute: so do the int4 rows with their codes and groups
                 w = _unpermute_rope_rows(w, heads)
                 parts = {k: _unpermute_rope_rows(v, heads) for k, v in parts.items()}
-            tensors[hf_name] = w.contiguous()
-            int4.update({f"{hf_name}.{k}": v.contiguous() for k, v in parts.items()})
+            tensors[name] = w.contiguous()
+            int4.update({f"{name}.{k}": v.contiguous() for k, v in parts.items()})
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         if int4:
