@@ -47,6 +47,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = True
+    # the grammar compiled before admission (a server compiles it off the engine thread and hands it
+    # over, so the engine thread never compiles: structured.GrammarBackend.matcher); None: compiled there
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -188,7 +191,8 @@ class SamplingParams:
                 raise ValueError("logit_bias must map token ids to biases in [-100, 100]")
             bias = {}
             for k, v in self.logit_bias.items():
-                tok = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+                # a JSON key is text: ASCII digits only ("²" is a digit to str.isdigit, not to int)
+                tok = int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k
                 if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {k!r}")
                 if not _number(v) or not -100.0 <= v <= 100.0:

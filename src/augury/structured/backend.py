@@ -3,14 +3,19 @@
 Grammars are compiled by xgrammar's GrammarCompiler, whose cache (keyed by the constraint's text
 and options) is bounded by CACHE_BYTES, least recently used first; masks are built on the CPU.
 A backend is shared by the engine thread (matchers for admitted requests) and the server's
-tokenizer thread (compiling a request's constraint before admission, so a bad schema is a 400
-before anything streams): compiles hold a lock, matchers are per request.
+grammar threads (compiling a request's constraint before admission, so a bad schema is a 400
+before anything streams, and handing the compiled grammar to the engine with the request:
+StructuredOutputsParams.compiled, so the engine thread never compiles a server's request). No lock:
+xgrammar's compiler and its cache take concurrent compiles (vLLM compiles from a thread pool too),
+so a slow compile holds neither the engine thread nor another request's compile; matchers are per
+request.
 """
 from __future__ import annotations
 
 import json
 import re
-import threading
+
+import numpy as np
 from dataclasses import dataclass
 
 from augury.sampling_params import StructuredOutputsParams
@@ -76,7 +81,6 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
                                             cache_limit_bytes=cache_bytes)
         self.stats = ShapingStats()
-        self._lock = threading.Lock()
         self._shifts = None  # 0..31 (int32), for apply_bitmask
 
     def compile(self, spec: StructuredOutputsParams):
@@ -84,29 +88,46 @@ class GrammarBackend:
         kind = spec.kind
         c = self.compiler
         try:
-            with self._lock:
-                if kind == "json":
-                    schema = spec.json if isinstance(spec.json, dict) else {}  # true: any JSON value
-                    return c.compile_json_schema(json.dumps(bounded_strings(schema)),
-                                                 any_whitespace=not spec.disable_any_whitespace,
-                                                 strict_mode=True)
-                if kind == "json_object":
-                    return c.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
-                                                 strict_mode=False)
-                if kind == "regex":
-                    return c.compile_regex(spec.regex)
-                if kind == "choice":
-                    return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(x) for x in spec.choice))
-                if kind == "grammar":
-                    return c.compile_grammar(spec.grammar)
-                return c.compile_structural_tag(spec.structural_tag)
+            if kind == "json":
+                schema = spec.json if isinstance(spec.json, dict) else {}  # true: any JSON value
+                return c.compile_json_schema(json.dumps(bounded_strings(schema)),
+                                             any_whitespace=not spec.disable_any_whitespace,
+                                             strict_mode=True)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
+                                             strict_mode=False)
+            if kind == "regex":
+                return c.compile_regex(spec.regex)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(x) for x in spec.choice))
+            if kind == "grammar":
+                return c.compile_grammar(spec.grammar)
+            return c.compile_structural_tag(spec.structural_tag)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {clean_error(e)}") from None
 
     def matcher(self, spec: StructuredOutputsParams):
         """A fresh matcher for one request (rollback unbounded: a verification walk pushes at most a
-        tree's depth, and pops it)."""
-        return self._xgr.GrammarMatcher(self.compile(spec), max_rollback_tokens=-1)
+        tree's depth, and pops it), of the grammar compiled before admission where there is one."""
+        compiled = spec.compiled if spec.compiled is not None else self.compile(spec)
+        return self._xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+
+    def dead_end(self, compiled, banned: set[int]) -> str | None:
+        """Why a grammar cannot be followed when `banned` tokens (a request's one-token bad words) are
+        never chosen, where that shows at its start: every token it allows first is banned, or every
+        end-of-sequence token is (a grammar ends with one); None when neither. Deeper conflicts end
+        the request with finish_reason "error" when it meets them (Engine.fail)."""
+        stops = set(self.info.stop_token_ids)
+        if stops and stops <= banned:
+            return "bad_words ban every end-of-sequence token, and the structured output needs one to end"
+        bits = self.new_bitmask(1)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bits)
+        held = bits.numpy()[0].view(np.uint32)
+        allowed = np.flatnonzero(np.unpackbits(held.view(np.uint8), bitorder="little"))
+        allowed = allowed[allowed < self.vocab_size]
+        if 0 < len(allowed) <= len(banned) and all(int(t) in banned for t in allowed):
+            return "bad_words ban every token the structured output allows first"
+        return None
 
     def new_bitmask(self, rows: int = 1):
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)

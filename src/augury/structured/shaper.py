@@ -26,13 +26,13 @@ MAX_FORCED = 32  # forced tokens looked up per tree node (jump-forward drafts)
 def bad_word_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
     """Each word's token ids as it appears in text: without and with a leading space (both are banned;
     vLLM keeps the spaced form only where it has as many tokens as the plain one)."""
-    out: list[list[int]] = []
+    out: dict[tuple[int, ...], None] = {}  # insertion-ordered, each spelling once (a set's lookups)
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                out.setdefault(ids)
+    return [list(ids) for ids in out]
 
 
 class RequestShaper:

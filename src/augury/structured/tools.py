@@ -58,8 +58,9 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | 
         if choice != "none" and not tools:
             raise ValueError(f"tool_choice {choice!r} needs tools")
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
         raise ValueError('tool_choice must be "none", "auto", "required" or '
                          '{"type": "function", "function": {"name": ...}}')
     for t in tools or []:
