@@ -9,8 +9,9 @@ Two torch.distributed groups over the same ranks:
 - the *command* group (no practical timeout): rank 0 broadcasts each target call (what to run, with
   which inputs) to ranks that wait, idle, for as long as the engine has no work.
 
-Where every rank runs on this machine (on CPUs), all of that goes through one shared-memory file
-instead (`Shared`): gloo's round trip cost ~2 ms per collective on the 2-core test machine under load
+Where every rank runs on this machine (on CPUs), all of that goes through one shared-memory area
+instead (`Shared`: an anonymous memfd of rank 0's, which the others open through /proc, so no
+file is left behind however any rank ends): gloo's round trip cost ~2 ms per collective on the 2-core test machine under load
 (small all-reduces, measured), and a decode step has 2 per layer. The exchange (forward.cpp): each
 rank writes its part into its slot of a double-buffered area, publishes a counter and waits for the
 others' (a bounded spin, then yields; the fused stack does this inside its one call); commands go
@@ -183,8 +184,8 @@ class Group:
 
 
 class Shared:
-    """The shared-memory channel of the ranks of one machine: one file under /dev/shm, mapped by every
-    rank. Layout: HEADER bytes of mailbox counters (rank 0's post count, then each rank's
+    """The shared-memory channel of the ranks of one machine: one memfd of rank 0's (no name in any
+    file system), mapped by every rank. Layout: HEADER bytes of mailbox counters (rank 0's post count, then each rank's
     acknowledgement, a 64-byte line each); from HEADER on, forward.cpp's exchange: HEADER bytes of its
     counters, then two buffers of `size` slots of `cap` floats; then two mailbox buffers (8 bytes of
     length and a last-piece flag, 8 spare, then the data)."""
@@ -193,7 +194,11 @@ class Shared:
         self.rank, self.size, self.cap, self.timeout_ms = rank, size, cap, int((timeout + GRACE) * 1000)
         self.lib = lib
         nbytes = Shared.nbytes(size, cap)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise RuntimeError(f"cannot open rank 0's shared-memory channel {path} ({e.strerror}); "
+                               "AUGURY_TP_SHM=0 makes the ranks sum through gloo instead") from None
         try:
             self._map = mmap.mmap(fd, nbytes)
         finally:
@@ -227,13 +232,22 @@ class Shared:
         return max(EXCHANGE_ROWS * hidden, GATHER_ROWS * vocab_part)
 
     @staticmethod
-    def create(path: Path, size: int, cap: int) -> None:
-        """Rank 0: the zeroed file every rank maps (tmpfs: memory, given only to pages written)."""
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def create(size: int, cap: int) -> tuple[int, Path] | None:
+        """Rank 0: the zeroed area every rank maps (memory, given only to pages written), as an open
+        descriptor and the path the other ranks open it by, /proc/<rank 0>/fd/<fd> (valid while rank 0
+        keeps the descriptor). Unlike a /dev/shm file it has no name to leave behind when a rank is
+        killed, and a container's small /dev/shm does not limit it. None where there is no memfd."""
+        if not hasattr(os, "memfd_create"):
+            return None
+        fd = os.memfd_create("augury-tp", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, Shared.nbytes(size, cap))
-        finally:
+            path = Path(f"/proc/{os.getpid()}/fd/{fd}")
+            os.close(os.open(path, os.O_RDWR))  # /proc shows this process's descriptors: the others can open it
+        except OSError:
             os.close(fd)
+            return None
+        return fd, path
 
     def _counter(self, line: int) -> int:
         """Address of the mailbox's counter `line` (0: posts, 1 + r: rank r's acknowledgements)."""

@@ -84,8 +84,10 @@ def check(config: EngineConfig, tcfg, device: torch.device) -> Topology:
 class Ranks:
     """Rank 0's handle on the tensor-parallel ranks: the store, its local workers, the group."""
 
-    def __init__(self, topo: Topology, store, spec: ModelSpec, children: dict[int, subprocess.Popen]) -> None:
+    def __init__(self, topo: Topology, store, spec: ModelSpec, children: dict[int, subprocess.Popen],
+                 exchange_fd: int | None = None) -> None:
         self.topo, self.store, self.spec, self.children = topo, store, spec, children
+        self.exchange_fd = exchange_fd  # the shared-memory channel's memfd, open until every rank has mapped it
         self.group: Group | None = None
         self.watchdog: Watchdog | None = None
         self.shard = None
@@ -116,18 +118,20 @@ class Ranks:
                               timeout=timedelta(seconds=start_timeout(config.dist_timeout, topo.nnodes)))
         if topo.hosts_store:
             topo = _with_port(topo, store.port)
-        exchange, shards = None, plan_shards(tcfg, topo.size)
+        area, shards = None, plan_shards(tcfg, topo.size)
         cap = Shared.capacity(topo.size, tcfg.hidden_size, max(shards[0].vocab_sizes))
-        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and _shm_room(topo.size, cap) \
-                and SharedLib.load() is not None:
-            exchange = Path(f"/dev/shm/augury-tp-{os.getpid()}-{topo.port}")
-            Shared.create(exchange, topo.size, cap)
+        if topo.nnodes == 1 and device.type == "cpu" and tp_shared_memory_enabled() and SharedLib.load() is not None:
+            area = Shared.create(topo.size, cap)
+            if area is None:
+                log.warning("tensor parallelism: no memfd or /proc here for the shared-memory channel; the ranks "
+                            "sum through gloo instead (slower)")
+        exchange = None if area is None else area[1]
         spec = ModelSpec(str(dtype).removeprefix("torch."), max_len, quantization, device.type, config.dist_timeout,
                          None if exchange is None else str(exchange), cap)
-        store.set(SPEC_KEY, json.dumps(asdict(spec)))
-        ranks = Ranks(topo, store, spec, {})
+        ranks = Ranks(topo, store, spec, {}, None if area is None else area[0])
         _active = ranks
         try:
+            store.set(SPEC_KEY, json.dumps(asdict(spec)))
             if not topo.torchrun:  # torchrun started every rank itself
                 ranks.children.update(spawn_local(topo, folder, skip_first=True))
             topology.pin(topo.cores[0])
@@ -152,15 +156,17 @@ class Ranks:
     def wait_loaded(self) -> None:
         """Every other rank has loaded its shard, or a RuntimeError names the first that failed."""
         self._wait("load", [STATUS.format(r) for r in range(1, self.topo.size)])
-        self._unlink_exchange()  # every rank has mapped it (or failed): its name is no longer needed
+        self._release_exchange()  # every rank has mapped it (or failed): its path is no longer needed
         for r in range(1, self.topo.size):
             verdict = self.store.get(STATUS.format(r)).decode()
             if verdict != "ok":
                 raise RuntimeError(f"tensor-parallel rank {r} failed to load its shard: {verdict.removeprefix('error: ')}")
 
-    def _unlink_exchange(self) -> None:
-        if self.spec.exchange is not None:
-            Path(self.spec.exchange).unlink(missing_ok=True)
+    def _release_exchange(self) -> None:
+        """Close rank 0's descriptor of the channel: the memory lives on in the ranks' mappings alone."""
+        if self.exchange_fd is not None:
+            os.close(self.exchange_fd)
+            self.exchange_fd = None
 
     def _wait(self, what: str, keys: list[str]) -> None:
         deadline = time.monotonic() + start_timeout(self.spec.timeout, self.topo.nnodes)
@@ -240,28 +246,13 @@ class Ranks:
                 except subprocess.TimeoutExpired:
                     pass
         self._kill_children()
-        self._unlink_exchange()
+        self._release_exchange()
         if self.group is not None:
             self.group.destroy()
         topology.pin(tuple(self._affinity))
         torch.set_num_threads(self._threads)
         if _active is self:
             _active = None
-
-
-def _shm_room(size: int, cap: int) -> bool:
-    """/dev/shm exists and has room for the whole channel (a container's small /dev/shm would kill a
-    rank with SIGBUS on the first page past its size: gloo alone then)."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return False
-    if st.f_bavail * st.f_frsize >= Shared.nbytes(size, cap):
-        return True
-    log.warning("tensor parallelism: /dev/shm has %.0f MiB free, the shared-memory channel needs %.0f MiB; the "
-                "ranks sum through gloo instead (slower)", st.f_bavail * st.f_frsize / 2**20,
-                Shared.nbytes(size, cap) / 2**20)
-    return False
 
 
 def _with_port(topo: Topology, port: int) -> Topology:

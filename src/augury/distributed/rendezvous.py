@@ -35,8 +35,9 @@ def _package_root() -> str:
 
 def spawn_local(topo: Topology, folder: Path, skip_first: bool) -> dict[int, subprocess.Popen]:
     """Start this machine's ranks (all but this process's own) as fresh interpreters, each pinned to its
-    cores with its thread count, killed if the thread that started them dies (Linux), their output
-    on this process's stderr."""
+    cores with its thread count, killed if the thread that started them dies (Linux), deaf to SIGINT
+    and SIGTERM (this process stops them: a Ctrl-C or a stop signal to the whole process group must
+    not end them while it drains), their output on this process's stderr."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
     children: dict[int, subprocess.Popen] = {}
@@ -55,10 +56,14 @@ def spawn_local(topo: Topology, folder: Path, skip_first: bool) -> dict[int, sub
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; Linux only)."""
+    """In the child, before exec: SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; Linux only), and
+    SIGINT and SIGTERM ignored (ignoring survives exec, and Python keeps an ignored SIGINT ignored)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except Exception:  # noqa: BLE001 - elsewhere the watchdog's lost store ends the child

@@ -6,7 +6,7 @@ of machine k > 0, or any rank torchrun started). The rank pins itself to its cor
 thread count before anything starts threads, says hello in the store, joins the process group,
 starts its watchdog, builds the CPU kernels, loads its shard and reports "ok" or its error in the
 store (rank 0 stops start-up with that line), then serves commands (runner.serve_commands) until
-rank 0 says stop. A failure after that prints one line naming this rank and exits: rank 0's watchdog
+rank 0 says stop. A rank started this way ignores SIGINT and SIGTERM: its starter stops it. A failure after that prints one line naming this rank and exits: rank 0's watchdog
 reports it, and every rank stops.
 """
 from __future__ import annotations
@@ -20,6 +20,12 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     args = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    import signal
+
+    # a rank augury started stops when its starter says so (or dies): a Ctrl-C or SIGTERM sent to the whole
+    # process group is the starter's to act on (it drains first). Also set before exec where it can be.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from augury.distributed import topology
 
     topology.pin(tuple(args["cores"]))  # before torch starts a thread: they all inherit it
