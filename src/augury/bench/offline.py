@@ -501,10 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed of the random prompts and of the random model (default: {d.seed})")
-    p.add_argument("--workload", default="throughput", choices=["throughput", "document", "multi-turn"],
+    p.add_argument("--workload", default="throughput", choices=["throughput", "document", "multi-turn", "stress"],
                    help="throughput: the systems' decoding speed (the default); document: one long document "
                    "with a new question per request, and multi-turn: a chat growing turn by turn, each timing the "
-                   "first token with and without prefix caching (see augury/bench/prefix.py)")
+                   "first token with and without prefix caching (see augury/bench/prefix.py); stress: load and "
+                   "faults against a real `augury serve` over HTTP, with flags of its own (see "
+                   "`augury bench --workload stress --help`, augury/bench/stress.py)")
     p.add_argument("--doc-tokens", type=int, default=1500, help="--workload document: the document's length in tokens")
     p.add_argument("--questions", type=int, default=6,
                    help="--workload document: questions asked after the first request")
@@ -532,8 +534,24 @@ def _prefix_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stress_argv(argv: list[str]) -> list[str] | None:
+    """argv without its `--workload stress` when it asks for that workload, else None."""
+    for i, a in enumerate(argv):
+        if a == "--workload=stress":
+            return argv[:i] + argv[i + 1:]
+        if a == "--workload" and argv[i + 1:i + 2] == ["stress"]:
+            return argv[:i] + argv[i + 2:]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `augury bench`; every error is one line and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = _stress_argv(argv)
+    if rest is not None:
+        from augury.bench.stress import main as stress_main  # a server benchmark, with flags of its own
+
+        return stress_main(rest)
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
