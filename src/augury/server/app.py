@@ -120,6 +120,8 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
+        if state.draining:  # a load balancer takes this replica out while what it holds finishes
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.ready and state.loop.alive:
             return JSONResponse({"status": "ok"})
         status = "starting" if not state.ready else "engine not running"

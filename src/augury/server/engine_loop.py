@@ -196,6 +196,22 @@ class EngineLoop:
                 self._inbox.append(("abort", request_id))
                 self._cond.notify()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished yet (a drain waits until none is left)."""
+        with self._cond:
+            return len(self._members)
+
+    def cut(self, reason: str) -> int:
+        """End every request in flight now, each with EngineUnavailable(reason), on the event loop's
+        thread (a drain out of time); the engine frees their blocks before its next step. How many."""
+        with self._cond:
+            members, self._members = self._members, {}
+            self._inbox.extend(("abort", rid) for rid in members)
+            self._cond.notify()
+        _dispatch([(group, index, EngineUnavailable(reason)) for group, index in members.values()])
+        return len(members)
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True

@@ -2,14 +2,18 @@
 
 `build_server` constructs every part (state, metrics, tokenizer copy, app, uvicorn server)
 or raises; `serve_on(sock)` starts the engine thread, lets uvicorn listen on the bound
-socket, logs the ready line once it does, and returns the process exit status.
+socket, logs the ready line once it does, and returns the process exit status. SIGTERM and
+SIGINT drain the server (drain.py) instead of uvicorn's own stop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import signal
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import uvicorn
 
 from augury.server.app import create_app
 from augury.server.args import ServeSettings
+from augury.server.drain import Drain
 from augury.server.engine_loop import EngineLoop
 from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
@@ -43,6 +48,7 @@ class AuguryServer(uvicorn.Server):
         self.settings = settings
         self.engine_failure = engine_failure
         self.listen_failure: BaseException | None = None
+        self.drain = Drain(state, settings.shutdown_timeout)
 
     async def startup(self, sockets=None) -> None:
         try:
@@ -58,11 +64,32 @@ class AuguryServer(uvicorn.Server):
             self.state.info.listening = f"http://{shown}:{port}"
             log.info("ready: serving %r on %s", self.state.model_name, self.state.info.listening)
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, less raising the caught signal again once stopped: a drained server exits 0."""
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            yield
+            return
+        before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.drain.on_signal(sig)
+
     async def on_tick(self, counter: int) -> bool:
         if self.engine_failure.error is not None:  # the engine is gone: stop serving, exit non-zero
             self.state.ready = False
             return True
-        return await super().on_tick(counter)
+        if await super().on_tick(counter):
+            return True
+        if self.drain.tick():
+            self.force_exit = self.drain.forced is not None  # uvicorn then waits for no connection
+            return True
+        return False
 
     async def serve_on(self, sock) -> int:
         self.state.loop.start(asyncio.get_running_loop())
@@ -70,7 +97,7 @@ class AuguryServer(uvicorn.Server):
             await self.serve(sockets=[sock])
         finally:
             self.state.ready = False
-            self.state.loop.stop()
+            self.state.loop.stop(1.0 if self.drain.forced is not None else 10.0)
             self.state.executor.shutdown(wait=False, cancel_futures=True)
             sock.close()
         if self.listen_failure is not None:
@@ -86,7 +113,7 @@ class AuguryServer(uvicorn.Server):
             print(f"augury: error: the engine failed while serving: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
             return 1
-        return 0
+        return self.drain.exit_status
 
 
 def _folders(settings: ServeSettings) -> dict[str, str | None]:

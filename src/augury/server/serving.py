@@ -37,6 +37,7 @@ class ServerState:
     info: ServerInfo
     api_key: str | None
     ready: bool = False
+    draining: bool = False  # a stop signal came: no new request is admitted (httpserver.py's drain)
     grammar: Any = None  # () -> structured.GrammarBackend (thread-safe), to compile constraints before admission
     tool_call_parser: str | None = "hermes"  # how tool calls are read out of answers; None: tools are refused
 
@@ -371,6 +372,10 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
 
 
 def admit(state: ServerState, job: Job) -> RequestGroup:
+    if state.draining:  # what is in flight finishes; a client retries on another replica, or once this restarts
+        state.metrics.observe_rejected(503)
+        raise APIError(503, "the server is shutting down and admits no new requests; retry later",
+                       "server_shutting_down", headers={"Retry-After": "1"})
     try:
         group = state.loop.submit(job.request_id, job.choice_prompts, job.params)
     except QueueFull as e:

@@ -9,14 +9,18 @@ stage prints one line, `augury: error: start-up failed at stage '<stage>': <caus
 the process exits with status 1 (argparse usage errors: 2); the traceback only with --debug.
 Nothing listens before the warm-up has passed: the socket is bound in the HTTP stage and
 starts listening when uvicorn starts serving, after which /health is green.
+SIGTERM during start-up stops it as Ctrl-C does (each stage's clean-up runs, tensor-parallel
+ranks included; status 128 + the signal); once serving, a signal drains the server (drain.py).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from augury import resolve
@@ -73,6 +77,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Stopped(KeyboardInterrupt):
+    """A stop signal during start-up, raised where the main thread is, like Ctrl-C's KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_start_up(signum: int, frame) -> None:
+    raise _Stopped(signum)
+
+
 def _setup_logging(debug: bool) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
@@ -89,9 +105,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed on one line
         return e.code if isinstance(e.code, int) else 2
     handler = _setup_logging(args.debug)
+    main = threading.current_thread() is threading.main_thread()  # only there may signal handlers be set
+    before = signal.signal(signal.SIGTERM, _stop_start_up) if main else None
     try:
         return _start_and_serve(args)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
         logging.getLogger("augury").removeHandler(handler)
 
 
@@ -122,9 +142,11 @@ def _start_and_serve(args) -> int:
             sock = bind_socket(settings.host, settings.port)
     except StartupError as e:
         return _report(e.stage, e.cause, debug)
-    except KeyboardInterrupt:
-        print(f"augury: error: start-up interrupted at stage '{stages.current}'", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
+        print(f"augury: error: start-up interrupted at stage '{stages.current}' ({signal.Signals(signum).name})",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     stages.finish()
     try:
         return asyncio.run(server.serve_on(sock))
