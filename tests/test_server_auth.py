@@ -114,6 +114,23 @@ def test_docs_with_the_flag_are_served_and_behind_the_key(path: str) -> None:
         assert any(s.get("scheme") == "bearer" for s in schemes.values())
 
 
+def test_the_key_comes_from_the_flag_else_from_augury_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from augury.server.args import build_parser, settings_from_args
+
+    def key(*args: str) -> str | None:  # the flags validated as `augury serve` does first; nothing loads
+        return settings_from_args(build_parser().parse_args(list(args))).api_key
+
+    monkeypatch.delenv("AUGURY_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("AUGURY_API_KEY", "from-env")
+    assert key() == "from-env" and key("--api-key", "from-flag") == "from-flag"
+    monkeypatch.setenv("AUGURY_API_KEY", "from-env\n")  # as `$(cat secret)` would leave it: never matchable
+    with pytest.raises(ValueError, match="AUGURY_API_KEY must not begin or end with whitespace"):
+        key()
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        key("--api-key", " ")
+
+
 # ---------------------------------------------------------------- a real server
 
 

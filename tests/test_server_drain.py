@@ -259,3 +259,11 @@ def test_stopping_a_two_rank_start_up_while_ranks_load_leaves_nothing(tiny: Path
     assert not _shm_of(proc.pid)
     if sig == signal.SIGTERM:
         assert "start-up interrupted at stage " in rest and "Traceback" not in rest
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_shutdown_timeout_that_is_no_duration_is_refused(value: str) -> None:
+    from augury.server.args import build_parser, settings_from_args
+
+    with pytest.raises(ValueError, match="--shutdown-timeout must be a non-negative number of seconds"):
+        settings_from_args(build_parser().parse_args(["--shutdown-timeout", value]))

@@ -29,6 +29,8 @@ CPU_KERNELS_VAR = "AUGURY_CPU_KERNELS"
 CPU_ISA_VAR = "AUGURY_CPU_ISA"
 # "0": tensor-parallel ranks on one machine sum through gloo, not their shared-memory exchange.
 TP_SHM_VAR = "AUGURY_TP_SHM"
+# `augury serve`'s API key when --api-key is not given (a key in the environment stays out of `ps`).
+API_KEY_VAR = "AUGURY_API_KEY"
 ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -387,6 +389,11 @@ def cpu_isa_override() -> str | None:
     """The ISA level AUGURY_CPU_ISA asks for (lower-cased), or None when it is unset or empty."""
     value = os.environ.get(CPU_ISA_VAR, "").strip().lower()
     return value or None
+
+
+def api_key_from_env() -> str | None:
+    """AUGURY_API_KEY, or None when it is unset or empty."""
+    return os.environ.get(API_KEY_VAR) or None
 
 
 def injected_fault_stage() -> str | None:

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from augury.config import EngineConfig, ResolvedModel, add_flags, given_options, name_flags
+from augury.config import EngineConfig, ResolvedModel, add_flags, api_key_from_env, given_options, name_flags
 
 DEFAULT_MAX_QUEUE_SIZE = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="augury serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /server_info")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+                        "(default: $AUGURY_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model as given)")
     p.add_argument("--max-queue-size", type=int, default=DEFAULT_MAX_QUEUE_SIZE,
                    help="requests that may wait beyond --max-num-seqs running ones; more get 429")
@@ -82,14 +84,18 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"--max-queue-size must be a non-negative integer, got {args.max_queue_size}")
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         raise ValueError(f"--shutdown-timeout must be a non-negative number of seconds, got {args.shutdown_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key must not be empty")
+    api_key = args.api_key if args.api_key is not None else api_key_from_env()
+    source = "--api-key" if args.api_key is not None else "environment variable AUGURY_API_KEY"
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"{source} must not be empty")
+    if api_key is not None and api_key != api_key.strip():  # a header's value arrives stripped: it could never match
+        raise ValueError(f"{source} must not begin or end with whitespace")
     if not args.host:
         raise ValueError("--host must not be empty")
     name = args.served_model_name if args.served_model_name is not None else engine.model
     if not name.strip():
         raise ValueError("--served-model-name must not be empty")
-    return ServeSettings(host=args.host, port=args.port, api_key=args.api_key, debug=args.debug,
+    return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine,
                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                          enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout)
