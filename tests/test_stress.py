@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -87,3 +89,79 @@ def test_sigterm_under_load_exits(report: dict[str, Any]) -> None:
     sig = report["sigterm"]
     assert not sig.get("idle") and sig["exit_status"] is not None, sig  # exited within the drain timeout
     assert sum(sig["in_flight_at_sigterm"].values()) > 0, sig
+
+
+# ------------------------------------------------------------------ property: no body is a 5xx
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+           "stream", "stream_options", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "min_p",
+           "repetition_penalty", "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", "ignore_eos",
+           "stop_token_ids", "max_draft_tokens", "model", "user"]
+_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+            | st.text(max_size=12) | st.sampled_from(["", "²", "\x00", "<|im_end|>", "json_schema", "function",
+                                                      "required", "auto", "root ::= \"a\"", "[^\\s\\S]"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(["type", "function", "name", "schema", "json_schema", "role",
+                                                        "content", "choice", "regex", "0", "1"]), inner, max_size=3),
+                     max_leaves=10)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory):
+    from helpers_server import serve
+
+    tiny = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fuzz") / "model", max_positions=2048)
+    with serve(["--model", str(tiny), "--dtype", "float32", "--max-num-seqs", "4", "--served-model-name", "tiny"]) as sp:
+        yield sp
+
+
+def _bounded(body: dict[str, Any]) -> dict[str, Any]:
+    """A generated body that happens to be valid must still answer quickly: short answers, few choices."""
+    for name, cap in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2)):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and cap < v < 10**6:
+            body[name] = cap
+    return body
+
+
+def test_no_generated_body_gets_a_5xx(fuzz_server) -> None:
+    """Property (hypothesis, shrinking to the smallest failing body): a chat body with up to four fields
+    replaced by any JSON gets a status below 500 over a connection that stays up; afterwards the server is
+    healthy and holds no KV block."""
+    import httpx
+
+    from augury.server.loadtest import is_clean, read_metrics
+
+    url = f"{fuzz_server.base_url}/v1/chat/completions"
+    http = httpx.Client(timeout=60)
+    seen: Counter = Counter()  # status classes: the property must meet valid bodies and invalid ones
+
+    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4))
+    def check(fields: dict[str, Any]) -> None:
+        body = _bounded({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "temperature": 0, **fields})
+        r = http.post(url, content=json.dumps(body), headers={"content-type": "application/json",
+                                                               "connection": "close"})
+        seen[r.status_code // 100] += 1
+        assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text, body)
+        assert '"internal_error"' not in r.text, (r.text, body)  # a 200 stream's error event included
+
+    try:
+        check()
+    finally:
+        http.close()
+    assert seen[2] >= 5 and seen[4] >= 50, seen
+    assert httpx.get(f"{fuzz_server.base_url}/health").status_code == 200
+    metrics = read_metrics(fuzz_server.base_url)
+    for _ in range(60):
+        if is_clean(metrics):
+            break
+        time.sleep(0.5)
+        metrics = read_metrics(fuzz_server.base_url)
+    assert is_clean(metrics), metrics
+    assert "Traceback" not in fuzz_server.log, fuzz_server.log[-3000:]
