@@ -435,16 +435,17 @@ class Engine:
         detok = self._detok.get(req.request_id)
         if detok is None:
             return False
-        before = len(detok.text)
+        before = detok.length
         ids = req.output_token_ids
         # a token ending inside a character leaves its whole characters unreleased: they count too,
         # so the stop string ends at the token that completes it, never one token later
-        text = detok.text if detok.step(ids) else detok.text + detok.pending(ids)
+        extra = "" if detok.step(ids) else detok.pending(ids)
         longest = max(len(s) for s in req.params.stop)
-        window_start = max(0, before - longest + 1)
-        hits = [i for s in req.params.stop if (i := text.find(s, window_start)) >= 0]
+        window_start = max(0, before - longest + 1)  # a stop string may begin this far back, no further
+        window = detok.tail(detok.length - window_start) + extra
+        hits = [i for s in req.params.stop if (i := window.find(s)) >= 0]
         if hits:
-            detok.text = text[: min(hits)]
+            detok.cut(window_start, window[: min(hits)])
             req.text_frozen = True  # the stop string and anything after it are never shown
             return True
         return False
@@ -487,11 +488,11 @@ class Engine:
         new_ids = req.output_token_ids[start:]
         new_text = ""
         if detok is not None:
-            shown = len(detok.text)
+            shown = detok.length
             if req.finish_reason is None and req.params.stop:  # the start of a stop string may
                 shown -= detok.stop_prefix_len(req.params.stop)  # be completed later: hold it
             shown = max(shown, req.num_emitted_chars)
-            new_text = detok.text[req.num_emitted_chars : shown]
+            new_text = detok.tail(detok.length - req.num_emitted_chars)[: shown - req.num_emitted_chars]
             req.num_emitted_chars = shown
         req.num_emitted = len(req.output_token_ids)
         lps = req.params.logprobs is not None
