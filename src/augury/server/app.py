@@ -159,11 +159,11 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
         """The part completions and chat share: admit, then stream or collect one JSON body.
         choice(i, out) -> the choice's own fields; logprobs(tokenizer, i, out) -> its logprobs object
         (run on the tokenizer thread, only when the request asked for logprobs)."""
-        group = admit(state, job)
+        group = admit(state, job, stream=bool(body.stream))
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return GroupStreamingResponse(events(state, job, group, t0, include), group,
-                                          state.metrics.observe_aborted)
+                                          state.metrics.observe_aborted, state.stream_timeout)
         outs = await collect(state, group, request, t0)
         if outs is None:
             return Response(status_code=499)

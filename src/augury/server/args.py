@@ -17,6 +17,7 @@ from augury.config import EngineConfig, ResolvedModel, add_flags, api_key_from_e
 
 DEFAULT_MAX_QUEUE_SIZE = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_STREAM_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ServeSettings:
     tool_call_parser: str | None = "hermes"  # None: tools refused
     enable_docs: bool = False  # /docs, /redoc, /openapi.json served (behind the key when one is set)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds a drain waits for requests in flight
+    stream_timeout: float = DEFAULT_STREAM_TIMEOUT  # a streaming client reading nothing this long is cut off; 0: never
     resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
 
     def describe(self) -> dict[str, Any]:
@@ -38,7 +40,8 @@ class ServeSettings:
         return {"host": self.host, "port": self.port, "api_key_set": self.api_key is not None,
                 "debug": self.debug, "max_queue_size": self.max_queue_size,
                 "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser,
-                "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout}
+                "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout,
+                "stream_timeout": self.stream_timeout}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or SIGINT, stop admitting (503) and give requests in flight this long to "
                         "finish before they are cut; a second signal stops at once (default 30)")
+    p.add_argument("--stream-timeout", type=float, default=DEFAULT_STREAM_TIMEOUT, metavar="SECONDS",
+                   help="a streaming client that reads nothing for this long is disconnected and its request "
+                        "aborted (its KV cache freed); 0: never (default 60)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
                    help="how tool calls are read out of chat answers: hermes (<tool_call> JSON blocks, as SmolLM2 "
                         "and Qwen 2.5 write them; default), or none (requests with tools get a 400)")
@@ -84,6 +90,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"--max-queue-size must be a non-negative integer, got {args.max_queue_size}")
     if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
         raise ValueError(f"--shutdown-timeout must be a non-negative number of seconds, got {args.shutdown_timeout}")
+    if not (math.isfinite(args.stream_timeout) and args.stream_timeout >= 0):
+        raise ValueError(f"--stream-timeout must be a non-negative number of seconds (0: never), got {args.stream_timeout}")
     api_key = args.api_key if args.api_key is not None else api_key_from_env()
     source = "--api-key" if args.api_key is not None else "environment variable AUGURY_API_KEY"
     if api_key is not None and not api_key.strip():
@@ -98,4 +106,5 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine,
                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
-                         enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout)
+                         enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout,
+                         stream_timeout=args.stream_timeout)

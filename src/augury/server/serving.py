@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from augury.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from augury.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputsParams
 from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
 from augury.server.errors import APIError, bad_request
 from augury.server.info import ServerInfo
@@ -37,6 +37,7 @@ class ServerState:
     info: ServerInfo
     api_key: str | None
     ready: bool = False
+    stream_timeout: float | None = 60.0  # a streaming client that reads nothing this long is cut off (None: never)
     draining: bool = False  # a stop signal came: no new request is admitted (httpserver.py's drain)
     grammar: Any = None  # () -> structured.GrammarBackend (thread-safe), to compile constraints before admission
     tool_call_parser: str | None = "hermes"  # how tool calls are read out of answers; None: tools are refused
@@ -371,13 +372,18 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
                tool_names=names)
 
 
-def admit(state: ServerState, job: Job) -> RequestGroup:
+def admit(state: ServerState, job: Job, stream: bool) -> RequestGroup:
+    """Submit the job's requests: streamed, each output a delta (what a chunk carries); else one
+    final output per request (a non-streamed answer waits for it), so neither copies an answer
+    per step nor queues more than the reader takes."""
     if state.draining:  # what is in flight finishes; a client retries on another replica, or once this restarts
         state.metrics.observe_rejected(503)
         raise APIError(503, "the server is shutting down and admits no new requests; retry later",
                        "server_shutting_down", headers={"Retry-After": "1"})
     try:
-        group = state.loop.submit(job.request_id, job.choice_prompts, job.params)
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        params = [dataclasses.replace(p, output_kind=kind) for p in job.params]
+        group = state.loop.submit(job.request_id, job.choice_prompts, params)
     except QueueFull as e:
         state.metrics.observe_rejected(429)
         raise APIError(429, f"the server is at capacity ({e}); retry later", "queue_full",

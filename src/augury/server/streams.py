@@ -1,20 +1,24 @@
-"""Answers: collect a group's outputs into one JSON body, or stream them as server-sent events.
+"""Answers: collect a group's outputs into one JSON body (each request's one final output: admit
+asks for final_only), or stream them as server-sent events (each chunk a request's delta outputs).
 
 Either way a client that goes away aborts its requests (their KV blocks are freed before the
 engine's next step): a non-streamed handler watches for the ASGI disconnect while it waits,
-and a streamed response aborts whatever has not finished when the response ends for any reason.
+and a streamed response aborts whatever has not finished when the response ends for any reason,
+a client that reads nothing for the stream timeout included.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from augury.outputs import RequestOutput
 from augury.server.engine_loop import EngineUnavailable, RequestFailed, RequestGroup
@@ -22,6 +26,8 @@ from augury.server.errors import APIError, error_body
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.serving import Job, ServerState
 from augury.structured.tools import ToolCallStream
+
+log = logging.getLogger("augury.server")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput] | None = None) -> dict[str, Any]:
@@ -55,9 +61,9 @@ class _Observer:
 
     def __call__(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        if self.first and out.new_token_ids:
-            self.first = False
-            self.state.metrics.observe_ttft(now - self.t0)
+        if self.first and out.first_token_time is not None:  # when the engine emitted it (a final_only
+            self.first = False  # answer's one output comes at the end)
+            self.state.metrics.observe_ttft(max(0.0, out.first_token_time - self.t0))
         if out.finished:
             self.state.metrics.observe_finished(out.finish_reason or "unknown", now - self.t0)
             if out.spec_stats.num_verify_steps:
@@ -104,22 +110,63 @@ async def collect(state: ServerState, group: RequestGroup, request: Request, t0:
     return [r for r in results if r is not None]
 
 
-class GroupStreamingResponse(StreamingResponse):
-    """An SSE response that aborts its group's unfinished requests however it ends."""
+class _Stalled(Exception):
+    """The client accepted none of the stream's bytes for the response's stall timeout."""
 
-    def __init__(self, content: AsyncIterator[str], group: RequestGroup, on_abort: Callable[[], None]) -> None:
+
+class GroupStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its group's unfinished requests however it ends.
+
+    A client that accepts no data for `stall_timeout` seconds (None: no limit) ends it too: a send
+    waits while the connection's write buffer is full, so the response gives up on that send, its
+    requests are aborted (their KV blocks freed before the engine's next step) and the HTTP server
+    closes the connection once what it has buffered goes out. Meanwhile the group holds one merged
+    output per request (engine_loop.RequestGroup), so a stalled reader costs O(its answer)."""
+
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup, on_abort: Callable[[], None],
+                 stall_timeout: float | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.group = group
         self.on_abort = on_abort
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.stall_timeout
+
+        async def send_or_give_up(message: Message) -> None:
+            try:
+                with anyio.fail_after(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout is None else send_or_give_up)
+        except _Stalled:
+            log.warning("a streaming client read nothing for %g s: its request %s (%d engine request(s)) is "
+                        "aborted and the connection closed", timeout, self.group.request_ids[0], len(self.group))
         finally:
             if not self.group.finished:
                 self.group.abort()
                 self.on_abort()
+
+
+class _HeldLogprobs:
+    """Per choice, the tokens (and their logprobs) of deltas that showed no text yet: the next chunk
+    carries them."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[list[int], list]] = {}
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        if out.logprobs is not None:
+            ids, entries = self.held.setdefault(index, ([], []))
+            ids.extend(out.token_ids)
+            entries.extend(out.logprobs)
+
+    def take(self, index: int) -> tuple[list[int], list]:
+        return self.held.pop(index, ([], []))
 
 
 def _sse(obj: Any) -> str:
@@ -131,30 +178,32 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
     base = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     observe, generated, finals = _Observer(state, t0), 0, []
-    sent: dict[int, int] = {}  # per choice: tokens whose logprobs went out
+    started: set[int] = set()  # choices whose first chunk went out
+    held = _HeldLogprobs()
     offset: dict[int, int] = {}  # per choice: text_offset of its next token
     try:
-        async for index, out in group.outputs():
+        async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
             generated += len(out.new_token_ids)
             if out.finished:
                 finals.append(out)
-            first = index not in sent
+            held.add(index, out)
+            first = index not in started
             if not out.new_text and not out.finished and not (first and job.echo):
                 continue
+            started.add(index)
             text, logprobs = out.new_text, None
             if first and job.echo:  # the prompt opens the choice's first chunk
                 text = job.prompt_texts[index // job.n] + text
             if job.logprobs is not None:
-                ids, entries = out.token_ids[sent.get(index, 0):], out.logprobs[sent.get(index, 0):]
-                if first and job.echo:
-                    ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+                ids, entries = held.take(index)
+                if first and job.echo:  # a delta stream's first output carries the prompt's logprobs
+                    ids, entries = out.prompt_token_ids + ids, (out.prompt_logprobs or []) + entries
                 tok = state.tokenizer
                 logprobs = await state.on_tokenizer_thread(completion_logprobs, tok, ids, entries,
                                                            offset.get(index, 0))
                 if logprobs["tokens"]:
                     offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            sent[index] = len(out.token_ids)
             chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                           "finish_reason": out.finish_reason}]}
             if include_usage:
@@ -183,12 +232,13 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
             yield _sse({**base, "choices": [role], **extra})
-        sent: dict[int, int] = {}  # per choice: tokens whose logprobs went out
-        async for index, out in group.outputs():
+        held = _HeldLogprobs()
+        async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
             generated += len(out.new_token_ids)
             if out.finished:
                 finals.append(out)
+            held.add(index, out)
             if not out.new_text and not out.finished:
                 continue
             finish = out.finish_reason
@@ -201,10 +251,8 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
                 deltas = [{"content": out.new_text}] if out.new_text else []
             logprobs = None
             if job.logprobs is not None:  # every token not sent yet, whether or not it showed text
-                done = sent.get(index, 0)
-                logprobs = await state.on_tokenizer_thread(chat_logprobs, state.tokenizer, out.token_ids[done:],
-                                                           out.logprobs[done:], job.logprobs)
-                sent[index] = len(out.token_ids)
+                ids, entries = held.take(index)
+                logprobs = await state.on_tokenizer_thread(chat_logprobs, state.tokenizer, ids, entries, job.logprobs)
             if not deltas and (finish is not None or logprobs is not None):
                 deltas = [{}]
             for i, delta in enumerate(deltas):
