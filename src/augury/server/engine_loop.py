@@ -1,8 +1,9 @@
 """The engine's own thread: after start-up, the only code that touches the Engine.
 
 HTTP handlers never call the Engine. They `submit` a group of requests (one per prompt and
-choice) and read the outputs from an asyncio queue in their own event loop; they `abort`
-a group when the client goes away. Commands go into an inbox the engine thread drains
+choice) and read the outputs from the group in their own event loop (one pending output per
+request, what arrives meanwhile merged into it: a slow reader holds its answer, not a queue of
+copies); they `abort` a group when the client goes away. Commands go into an inbox the engine thread drains
 before each step, so an abort frees its KV blocks before the next forward. Admission is
 bounded: at most max_num_seqs running plus max_queue_size waiting requests are in flight,
 beyond that `submit` raises QueueFull at once instead of queueing without limit.
