@@ -231,7 +231,8 @@ def test_prefix_cache_hits_are_in_usage_and_metrics(server: ServerProcess, clien
 
 def test_health_and_errors_did_not_hurt(server: ServerProcess, client: openai.OpenAI, model: str) -> None:
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{server.base_url}/nope").json()["error"]["code"] == "not_found"
+    # every route but the probes needs the key (test_server_auth.py), unknown ones too: past it, a 404
+    assert httpx.get(f"{server.base_url}/nope", headers=_auth()).json()["error"]["code"] == "not_found"
     out = client.completions.create(model=model, prompt="still alive", max_tokens=2)
     assert out.choices[0].finish_reason in ("length", "stop")
     assert server.proc.poll() is None
