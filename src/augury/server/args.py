@@ -8,12 +8,14 @@ error names the flag the user typed (config.name_flags).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from augury.config import EngineConfig, ResolvedModel, add_flags, api_key_from_env, given_options, name_flags
+from augury.limits import RequestLimits, add_limit_flags, limits_from_args
 
 DEFAULT_MAX_QUEUE_SIZE = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -33,6 +35,7 @@ class ServeSettings:
     enable_docs: bool = False  # /docs, /redoc, /openapi.json served (behind the key when one is set)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds a drain waits for requests in flight
     stream_timeout: float = DEFAULT_STREAM_TIMEOUT  # a streaming client reading nothing this long is cut off; 0: never
+    limits: RequestLimits = RequestLimits()  # what one request may ask (--limit-*)
     resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
 
     def describe(self) -> dict[str, Any]:
@@ -41,6 +44,7 @@ class ServeSettings:
                 "debug": self.debug, "max_queue_size": self.max_queue_size,
                 "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser,
                 "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout,
+                "limits": dataclasses.asdict(self.limits),
                 "stream_timeout": self.stream_timeout}
 
 
@@ -74,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
                    help="how tool calls are read out of chat answers: hermes (<tool_call> JSON blocks, as SmolLM2 "
                         "and Qwen 2.5 write them; default), or none (requests with tools get a 400)")
+    add_limit_flags(p)  # every request limit, from the one table in limits.py
     add_flags(p)  # every engine option, from the one table in config.py
     return p
 
@@ -103,8 +108,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     name = args.served_model_name if args.served_model_name is not None else engine.model
     if not name.strip():
         raise ValueError("--served-model-name must not be empty")
+    limits = limits_from_args(args)
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
-                         max_queue_size=args.max_queue_size, served_model_name=name, engine=engine,
+                         max_queue_size=args.max_queue_size, served_model_name=name, engine=engine, limits=limits,
                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                          enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout,
                          stream_timeout=args.stream_timeout)

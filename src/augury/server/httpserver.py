@@ -140,7 +140,7 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
                         tokenizer=tokenizer, executor=ThreadPoolExecutor(1, thread_name_prefix="augury-tokenizer"),
                         info=info, api_key=settings.api_key,
                         grammar=engine.grammar if engine.tokenizer is not None else None,
-                        tool_call_parser=settings.tool_call_parser,
+                        tool_call_parser=settings.tool_call_parser, limits=settings.limits,
                         stream_timeout=settings.stream_timeout or None)  # 0: never
     config = uvicorn.Config(create_app(state, settings.enable_docs), log_level="debug" if settings.debug else "warning",
                             access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,

@@ -9,11 +9,13 @@ import asyncio
 import dataclasses
 import json
 import math
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from augury.limits import RequestLimits
 from augury.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputsParams
 from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
 from augury.server.errors import APIError, bad_request
@@ -21,6 +23,7 @@ from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from augury.structured import tools as tool_calls
+from augury.structured.shaper import bad_word_ids
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -41,6 +44,11 @@ class ServerState:
     draining: bool = False  # a stop signal came: no new request is admitted (httpserver.py's drain)
     grammar: Any = None  # () -> structured.GrammarBackend (thread-safe), to compile constraints before admission
     tool_call_parser: str | None = "hermes"  # how tool calls are read out of answers; None: tools are refused
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask (limits.py)
+    # compiles structured-output constraints (and builds tool grammars) off the event loop and the
+    # tokenizer thread; two threads, so one slow compile does not hold every other
+    grammar_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="augury-grammar"))
 
     async def on_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -131,17 +139,49 @@ def _structured(req: SamplingFields) -> tuple[StructuredOutputsParams | None, st
         raise bad_request(f"{param}: {e}", param) from None
 
 
-async def _compile(state: ServerState, so: StructuredOutputsParams | None, param: str | None) -> None:
-    """Compile the constraint now (cached for the engine), so a bad one is a 400 naming it."""
+async def _compile(state: ServerState, so: StructuredOutputsParams | None, param: str | None,
+                   bad_words: list[str] | None = None) -> None:
+    """Compile the constraint now, on a grammar thread (never the event loop, the tokenizer thread or
+    the engine's) within --limit-compile-seconds, and hand the compiled grammar to the engine with
+    the request (so.compiled), so a bad one is a 400 naming it and the engine thread never compiles.
+    Bad words that leave the grammar no first token, or no end, are a 400 too (GrammarBackend.dead_end)."""
     if so is None:
         return
     if state.grammar is None:
         raise bad_request("structured output needs a tokenizer, and this model has none", param)
     try:
-        await state.on_tokenizer_thread(lambda: state.grammar().compile(so))
+        if param != "tools":  # a tool grammar's size is the tools' (RequestLimits.check_tools)
+            state.limits.check_structured(so, param or "structured_outputs")
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    banned: set[int] = set()
+    if bad_words and state.tokenizer is not None:
+        ids = await state.on_tokenizer_thread(bad_word_ids, state.tokenizer, bad_words)
+        banned = {w[0] for w in ids if len(w) == 1}
+    started = threading.Event()
+
+    def work():
+        started.set()
+        backend = state.grammar()
+        compiled = backend.compile(so)
+        return compiled, backend.dead_end(compiled, banned) if banned else None
+
+    seconds = state.limits.compile_seconds
+    try:
+        compiled, conflict = await asyncio.wait_for(
+            asyncio.get_running_loop().run_in_executor(state.grammar_executor, work), seconds)
+    except asyncio.TimeoutError:
+        if not started.is_set():  # it waited behind other compiles all that time
+            raise APIError(503, "the grammar compiler is busy; retry later", "grammar_compiler_busy",
+                           headers={"Retry-After": "1"}) from None
+        raise bad_request(f"{param}: the constraint did not compile within {seconds:g} s "
+                          "(this server's --limit-compile-seconds)", param) from None
     except ValueError as e:
         message = str(e) if param == "structured_outputs" else str(e).replace("structured_outputs.", f"{param}: ", 1)
         raise bad_request(message, param) from None
+    if conflict is not None:
+        raise bad_request(f"{conflict} ({param} with bad_words)", "bad_words")
+    so.compiled = compiled
 
 
 def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, state: ServerState,
@@ -169,40 +209,39 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         if not -(2**63) <= seed < 2**64:
             raise bad_request("seed must fit in 64 bits", "seed")
         seed = (seed + choice) % 2**64
-    stop = req.stop
-    if isinstance(stop, list) and len(stop) > 16:
-        raise bad_request("at most 16 stop sequences are allowed", "stop")
-    stop_ids = req.stop_token_ids or []
-    if any(not 0 <= t < state.vocab_size for t in stop_ids):
-        raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
-    bias = req.logit_bias or None
-    if bias is not None:
-        bad = [k for k in bias if not k.strip().isdigit() or int(k) >= state.vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias keys must be token ids in [0, {state.vocab_size}), got {bad[0]!r}",
-                              "logit_bias")
     if req.bad_words and state.tokenizer is None:
         raise bad_request("bad_words needs a tokenizer, and this model has none", "bad_words")
     try:  # SamplingParams validates temperature, top_p, penalties, ... (once, for every entry point)
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
-                              seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
-                              max_draft_tokens=req.max_draft_tokens, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs,
-                              presence_penalty=req.presence_penalty or 0.0,
-                              frequency_penalty=req.frequency_penalty or 0.0,
-                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                              min_p=req.min_p or 0.0, logit_bias=bias, bad_words=req.bad_words or None,
-                              structured_outputs=structured)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+                                seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
+                                ignore_eos=bool(req.ignore_eos), max_draft_tokens=req.max_draft_tokens,
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                presence_penalty=req.presence_penalty or 0.0,
+                                frequency_penalty=req.frequency_penalty or 0.0,
+                                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                                min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
+                                bad_words=req.bad_words or None, structured_outputs=structured)
+        state.limits.check_sampling(params)  # sizes (limits.py): before anything scans them
     except ValueError as e:  # its messages open with the field's name, which is the request's parameter
         message = str(e)
-        param = message.split(" ", 1)[0]
+        param = message.split(" ", 1)[0].rstrip(":")
         raise bad_request(message, param if param in _SAMPLING_FIELDS else None) from None
+    if any(t >= state.vocab_size for t in params.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {state.vocab_size})", "stop_token_ids")
+    if params.logit_bias and max(params.logit_bias) >= state.vocab_size:
+        raise bad_request(f"logit_bias keys must be token ids in [0, {state.vocab_size}), got {max(params.logit_bias)}",
+                          "logit_bias")
+    return params
 
 
 def _check_n(req: SamplingFields, num_prompts: int, state: ServerState) -> int:
     n = 1 if req.n is None else req.n
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
+    try:
+        state.limits.check_n(n)
+    except ValueError as e:
+        raise bad_request(str(e), "n") from None
     if n * num_prompts > state.loop.capacity:
         raise bad_request(f"{n * num_prompts} choices were asked for; this server holds at most "
                           f"{state.loop.capacity} requests at a time", "n")
@@ -252,9 +291,9 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
         else:
             texts = [""] * len(prompts)
     so, param = _structured(req)
-    await _compile(state, so, param)
     params = [_sampling(req, req.max_tokens, len(ids), state, 16, c, k, k if echo else None, so)
               for ids in prompts for c in range(n)]
+    await _compile(state, so, param, req.bad_words)  # after the limits: the choices share `so`
     return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n, k, echo, texts)
 
 
@@ -333,6 +372,7 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     tools = None
     if req.tools:
         try:
+            state.limits.check_tools(req.tools)
             tools = tool_calls.check_tools(req.tools)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
@@ -348,12 +388,12 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
         if so is not None:
             raise bad_request(f"{param} cannot be combined with tool_choice {'required' if choice == 'required' else 'naming a function'}",
                               param)
-        try:
-            grammar = tool_calls.tool_grammar(tools, choice, req.parallel_tool_calls is not False)
+        try:  # on a grammar thread: it walks every tool's schema
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                state.grammar_executor, tool_calls.tool_grammar, tools, choice, req.parallel_tool_calls is not False)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
         so, param = StructuredOutputsParams(structural_tag=grammar), "tools"
-    await _compile(state, so, param)
     native = isinstance(template, str) and "tools" in template
     messages = _message_dicts(req, native)
     described = tools if choice != "none" else None
@@ -367,6 +407,7 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = [_sampling(req, max_tokens, len(ids), state, None, c, k, None, so) for c in range(n)]
+    await _compile(state, so, param, req.bad_words)  # after the limits: the choices share `so`
     names = frozenset(t["function"]["name"] for t in tools or [])
     return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k, parse_tools=choice != "none",
                tool_names=names)
