@@ -176,3 +176,14 @@ def test_the_server_is_whole_after_the_hostile_requests(server: ServerProcess) -
     status, _ = _answer(server, {**CMPL, "temperature": 0})
     assert status == 200
     assert "Traceback" not in server.log
+
+
+def test_the_limits_table_lists_every_limit() -> None:
+    from augury.limits import LIMITS, RequestLimits
+
+    doc = (Path(__file__).parent.parent / "docs" / "limits.md").read_text()
+    defaults = RequestLimits()
+    for lim in LIMITS:
+        row = next((line for line in doc.splitlines() if f"`--limit-{lim.name.replace('_', '-')}`" in line), None)
+        assert row is not None, lim.name
+        assert float(row.split("|")[2].split()[0]) == getattr(defaults, lim.name), row
