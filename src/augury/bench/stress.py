@@ -59,6 +59,7 @@ class StressSettings:
     drain_timeout: float = 60.0  # how long the server may take to exit after SIGTERM
     ready_timeout: float = 900.0  # the demo may be fetched and converted on first use
     out: str = "bench_out/stress"
+    mix: tuple[tuple[str, float], ...] = tuple(MIX.items())  # share of each request kind (stress_bodies.MIX)
 
 
 @dataclass
@@ -74,8 +75,8 @@ def _kv_in_use(m: dict[str, float]) -> float:
     return m.get("augury:kv_cache_usable_blocks", 0.0) - m.get("augury:kv_cache_free_blocks", 0.0)
 
 
-def _draw(workload: Workload, rng: random.Random) -> Call:
-    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+def _draw(s: StressSettings, workload: Workload, rng: random.Random) -> Call:
+    kind = rng.choices([k for k, _ in s.mix], weights=[w for _, w in s.mix])[0]
     return workload.hostile(rng) if kind == "hostile" else workload.call(kind, rng)
 
 
@@ -104,7 +105,7 @@ async def _load(s: StressSettings, base_url: str, workload: Workload, pid: int |
     async def client(i: int, http: httpx.AsyncClient) -> None:
         rng = random.Random(f"{s.seed}:{phase}:{i}")
         while time.monotonic() < deadline and not stop.is_set():
-            results.append(await send(http, base_url, _draw(workload, rng), s.request_timeout, phase))
+            results.append(await send(http, base_url, _draw(s, workload, rng), s.request_timeout, phase))
             if results[-1].error == "ConnectError" and phase == "sigterm":
                 break  # the server is gone: one refused connection per client says so
 
@@ -160,14 +161,26 @@ async def _replay(s: StressSettings, base_url: str, results: list[Result]) -> di
                                s.request_timeout, "replay")
             replays.append(alone)
             family = "seeded" if first.case == "seeded" else "greedy"
+            same = sum(alone.answer == r.answer for r in answered[key])
+            compared[family] += len(answered[key])
             for r in answered[key]:
-                compared[family] += 1
                 if alone.answer != r.answer:
-                    mismatches[family].append({"kind": r.kind, "request": key[:BODY_KEPT], "under_load": r.answer,
-                                               "alone": alone.answer, "alone_status": alone.status,
-                                               "alone_error": alone.error})
+                    mismatches[family].append({
+                        "kind": r.kind, "request": key[:BODY_KEPT], "under_load": r.answer, "alone": alone.answer,
+                        "tokens_under_load": r.tokens, "tokens_alone": alone.tokens, "alone_status": alone.status,
+                        "alone_error": alone.error, "load_answers_equal_alone": f"{same} of {len(answered[key])}",
+                        **_neighbours(r, results)})
     return {"distinct_bodies": len(answered), "replayed": len(keys), "compared": dict(compared),
             "mismatches": mismatches, "replay_failures": [asdict(r) for r in replays if r.status != 200 or r.error]}
+
+
+def _neighbours(r: Result, results: list[Result]) -> dict[str, Any]:
+    """What ran beside a mismatched answer: the kinds of the requests whose time overlapped its own, and
+    the bodies of the hostile ones that got a 200 (one of them may have reached into its row)."""
+    end = r.started + r.seconds
+    beside = [x for x in results if x is not r and x.started < end and x.started + x.seconds > r.started]
+    return {"beside_kinds": dict(Counter(x.kind for x in beside)),
+            "beside_hostile_answered": [x.request for x in beside if x.kind == "hostile" and x.status == 200][:10]}
 
 
 async def _sigterm_phase(s: StressSettings, server: ServerProcess, workload: Workload) -> dict[str, Any]:
@@ -242,7 +255,7 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
         samples: list[Sample] = []
         log(f"load: {s.clients} clients for {s.duration:.0f} s against {base_url}")
         t0 = time.monotonic()
-        results = await _load(s, base_url, workload, pid, s.duration, "load", samples, sweep=True)
+        results = await _load(s, base_url, workload, pid, s.duration, "load", samples, sweep=dict(s.mix)["hostile"] > 0)
         report["load_seconds"] = round(time.monotonic() - t0, 1)
         settled, settle_seconds = await _settle(base_url)
         rss_end = rss_bytes(pid) if pid else None
@@ -279,6 +292,23 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
     return report
 
 
+def _mix(text: str) -> tuple[tuple[str, float], ...]:
+    shares = dict(MIX)
+    for item in filter(None, text.split(",")):
+        kind, _, share = item.partition("=")
+        if kind not in MIX:
+            raise argparse.ArgumentTypeError(f"unknown request kind {kind!r}; kinds: {', '.join(MIX)}")
+        try:
+            shares[kind] = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected KIND=SHARE, got {item!r}") from None
+        if not shares[kind] >= 0:
+            raise argparse.ArgumentTypeError(f"a share must be a number >= 0, got {item!r}")
+    if not any(shares[k] > 0 for k in MIX if k not in ("drop", "hostile")):
+        raise argparse.ArgumentTypeError("some well-formed kind needs a share above 0")
+    return tuple(shares.items())
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2, as the other commands' are."""
 
@@ -298,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=d.duration, help=f"seconds of load (default: {d.duration:.0f})")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max_tokens of well-formed requests")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--mix", type=_mix, default=d.mix, help="shares of request kinds, the rest as by default, e.g. "
+                   f"hostile=0,drop=0 (no faults; no corpus sweep either); kinds: {', '.join(MIX)}")
     p.add_argument("--first-sample", type=float, default=d.first_sample,
                    help="seconds into the load of the RSS/KV reference sample (at most a third of --duration)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
@@ -323,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         duration=args.duration, max_tokens=args.max_tokens, seed=args.seed, first_sample=args.first_sample,
         request_timeout=args.request_timeout, replay_max=args.replay_max, sigterm=args.sigterm,
         sigterm_after=args.sigterm_after, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
-        out=args.out)
+        out=args.out, mix=args.mix)
     try:
         report = asyncio.run(run_stress(settings))
     except Exception as exc:  # the server did not start, the URL does not answer, ...: one line

@@ -40,8 +40,10 @@ class Result:
     dropped: bool = False  # the client hung up on purpose (drop calls)
     answer: list[list[Any]] | None = None  # per choice: [text, [[tool name, arguments], ...], finish_reason]
     body: str | None = None  # a non-200 (or a stream's error event) as it came back, cut at BODY_KEPT
-    key: str | None = None  # deterministic calls: the canonical request body
+    key: str | None = None  # deterministic calls: the request body as sent
     path: str = ""
+    request: str | None = None  # other calls (hostile, drops): the body as sent, cut at BODY_KEPT
+    tokens: int | None = None  # usage.completion_tokens, when the answer said
     started: float = 0.0  # monotonic seconds at send
     known_bug: str | None = None
     detail: str = ""
@@ -92,6 +94,8 @@ async def send(http: httpx.AsyncClient, base_url: str, call: Call, timeout: floa
     """Send one call and read its answer as the call says; never raises for the server's behaviour."""
     res = Result(call.kind, call.case, call.expect, phase, known_bug=call.known_bug, detail=call.detail,
                  key=call.key() if call.deterministic else None, path=call.path, started=time.monotonic())
+    if not call.deterministic:
+        res.request = call.payload()[:BODY_KEPT].decode(errors="replace")
     t0 = time.perf_counter()
     choices = _Choices()
     headers = {"content-type": call.content_type}
@@ -104,8 +108,9 @@ async def send(http: httpx.AsyncClient, base_url: str, call: Call, timeout: floa
             if r.status_code != 200 or not call.stream:
                 data = await r.aread()
                 if r.status_code == 200:
-                    choices.whole(json.loads(data))
-                    res.answer = choices.answer()
+                    whole = json.loads(data)
+                    choices.whole(whole)
+                    res.answer, res.tokens = choices.answer(), (whole.get("usage") or {}).get("completion_tokens")
                 else:
                     res.body = data[:BODY_KEPT].decode(errors="replace")
             else:
@@ -137,6 +142,8 @@ async def _read_stream(r: httpx.Response, call: Call, res: Result, choices: _Cho
             res.error, res.body = "stream-error", payload[:BODY_KEPT]
             continue
         choices.delta(event)
+        if event.get("usage"):
+            res.tokens = event["usage"].get("completion_tokens")
         if res.ttft is None and any(choices.text.values()):
             res.ttft = time.perf_counter() - t0
         events += 1
