@@ -57,10 +57,17 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
+SOURCES = ("head", "lookup", "forced")
+
+
 def _spec(o) -> dict[str, int]:
     s = o.spec_stats
-    return {"draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_draft_tokens,
-            "verify_steps": s.num_verify_steps}
+    out = {"draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_draft_tokens,
+           "verify_steps": s.num_verify_steps}
+    for source in SOURCES:
+        out[f"{source}_draft_tokens"] = getattr(s, f"num_{source}_draft_tokens")
+        out[f"{source}_accepted_tokens"] = getattr(s, f"num_{source}_accepted_tokens")
+    return out
 
 
 @pytest.mark.parametrize("budget", [None, 2, 0])
@@ -70,9 +77,13 @@ def test_usage_speculative_matches_spec_stats(client, offline, tiny, prompts, bu
                                                      max_draft_tokens=budget), use_tqdm=False)[0]
     spec = _spec(want)
     if budget == 0:
-        assert spec == {"draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
+        assert set(spec.values()) == {0}
     else:
         assert spec["verify_steps"] > 0 and spec["accepted_tokens"] > 0
+        # the n-gram proposer's drafts are prompt lookup's, all of them
+        assert (spec["lookup_draft_tokens"], spec["lookup_accepted_tokens"]) == (spec["draft_tokens"],
+                                                                                 spec["accepted_tokens"])
+        assert spec["head_draft_tokens"] == spec["forced_draft_tokens"] == 0
         if budget is not None:
             assert spec["draft_tokens"] <= budget * spec["verify_steps"]
     body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -92,7 +103,7 @@ def test_usage_speculative_sums_the_choices_and_chat_streams_it(client, offline,
     want = offline.generate(prompts[1:], params, use_tqdm=False)
     out = client.completions.create(model=str(tiny), prompt=prompts[1:], max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
-    total = {k: sum(_spec(o)[k] for o in want) for k in ("draft_tokens", "accepted_tokens", "verify_steps")}
+    total = {k: sum(_spec(o)[k] for o in want) for k in _spec(want[0])}
     assert out.usage.model_extra["speculative"] == total and total["verify_steps"] > 0
     msgs = [{"role": "user", "content": "hello world hello world hello world"}]
     chat_want = offline.chat(msgs, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
@@ -129,6 +140,30 @@ def test_acceptance_length_histogram_per_request(server, client, offline, tiny, 
     assert n1 - n0 == len(spec) == 2
     assert s1 - s0 == pytest.approx(sum(s.accept_length for s in spec))
     assert min(s.accept_length for s in spec) > 1.0  # lookup drafts were accepted
+
+
+def _by_source(server: ServerProcess) -> dict[tuple[str, str], float]:
+    """/metrics' speculative token counters: (drafted or accepted, source) -> count."""
+    text = httpx.get(f"{server.base_url}/metrics").text
+    found = re.findall(r'^augury:spec_(draft|accepted)_tokens_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$', text, re.M)
+    return {(kind, source): float(v) for kind, source, v in found}
+
+
+def test_metrics_count_draft_tokens_by_source(server, client, tiny, prompts):
+    """/metrics' draft and accepted token counters carry a source label (head, lookup, forced); an
+    answer's drafts add what its usage.speculative says, under the n-gram proposer all to lookup."""
+    before = _by_source(server)
+    assert {s for _, s in before} == set(SOURCES)
+    out = client.completions.create(model=str(tiny), prompt=prompts[0], max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    spec = out.usage.model_extra["speculative"]
+    after = _by_source(server)
+    assert spec["lookup_draft_tokens"] > 0
+    for source in SOURCES:
+        assert after["draft", source] - before["draft", source] == spec[f"{source}_draft_tokens"]
+        # the engine counts the verifier's verdict; a request what it emitted (max_tokens may cut a path)
+        assert after["accepted", source] - before["accepted", source] >= spec[f"{source}_accepted_tokens"]
+    assert after["accepted", "lookup"] > before["accepted", "lookup"]
 
 
 def test_max_draft_tokens_bad_values_are_400(server, tiny):

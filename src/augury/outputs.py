@@ -6,11 +6,19 @@ from dataclasses import dataclass, field, replace
 
 @dataclass
 class SpecStats:
-    """Speculation counters of one request (all zero when it was never speculated)."""
+    """Speculation counters of one request (all zero when it was never speculated): draft tokens
+    verified and accepted (emitted) in all, and by where they came from (the EAGLE-3 head, prompt
+    lookup, the tokens a grammar forces), which sum to the totals."""
 
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_head_draft_tokens: int = 0
+    num_head_accepted_tokens: int = 0
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
+    num_forced_draft_tokens: int = 0
+    num_forced_accepted_tokens: int = 0
 
     @property
     def accept_length(self) -> float:

@@ -1,9 +1,13 @@
-"""Engine-wide counters: tokens, speculation acceptance per position, chosen draft sizes."""
+"""Engine-wide counters: tokens, speculation acceptance per position and by draft source, chosen
+draft sizes."""
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from augury.speculative.sources import SOURCE_NAMES
 
 log = logging.getLogger("augury.engine")
 
@@ -14,6 +18,10 @@ class EngineStats:
     num_verify_steps: int = 0  # request-steps that were speculated
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # draft tokens verified / accepted by source (sources.Source: head, lookup, forced); they sum to the two above
+    drafted_by_source: list[int] = field(default_factory=lambda: [0] * len(SOURCE_NAMES))
+    accepted_by_source: list[int] = field(default_factory=lambda: [0] * len(SOURCE_NAMES))
+    # the proposer's drafts alone (not a grammar's forced tokens; depth counts its own levels):
     # accepted_at[i]: verifications whose draft token at depth i+1 was accepted;
     # offered_at[i]: verifications that offered a draft at depth i+1
     accepted_at: list[int] = field(default_factory=list)
@@ -34,17 +42,23 @@ class EngineStats:
     def acceptance_rates(self) -> list[float]:
         return [a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at)]
 
-    def record_verification(self, depth_offered: int, num_accepted: int, num_drafted: int) -> None:
+    def record_verification(self, depth_offered: int, depth_accepted: int, drafted: Sequence[int],
+                            accepted: Sequence[int]) -> None:
+        """One verified row: the proposer's deepest draft level offered and its levels accepted (per
+        position), and its drafts verified and accepted per source (indexed by sources.Source)."""
         while len(self.offered_at) < depth_offered:
             self.offered_at.append(0)
             self.accepted_at.append(0)
         for i in range(depth_offered):
             self.offered_at[i] += 1
-        for i in range(num_accepted):
+        for i in range(depth_accepted):
             self.accepted_at[i] += 1
         self.num_verify_steps += 1
-        self.num_accepted_tokens += num_accepted
-        self.num_draft_tokens += num_drafted
+        for i, (d, a) in enumerate(zip(drafted, accepted)):
+            self.drafted_by_source[i] += d
+            self.accepted_by_source[i] += a
+        self.num_accepted_tokens += sum(accepted)
+        self.num_draft_tokens += sum(drafted)
 
     def maybe_log(self, engine, force: bool = False) -> None:
         now = time.monotonic()

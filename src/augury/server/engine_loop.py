@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from augury.engine.engine import NONFINITE
 from augury.outputs import MergedOutputs, RequestOutput
 from augury.sampling_params import OutputKind, SamplingParams
+from augury.speculative.sources import SOURCE_NAMES
 
 log = logging.getLogger("augury.server")
 
@@ -64,6 +65,8 @@ class Snapshot:
     steps_spec: int = 0
     steps_plain: int = 0
     draft_size_steps: tuple[tuple[int, int], ...] = ()  # (draft tokens chosen, decode steps that chose it)
+    # (source: head, lookup, forced; draft tokens verified, accepted): core/stats.EngineStats by source
+    spec_tokens_by_source: tuple[tuple[str, int, int], ...] = ()
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens admitted requests had to prefill
     prefix_cache_hits: int = 0  # of those, tokens served from the prefix cache
@@ -351,6 +354,7 @@ class EngineLoop:
             acceptance_rates=tuple(stats.acceptance_rates()), last_draft_tokens=stats.last_draft_tokens,
             steps_spec=stats.steps_spec, steps_plain=stats.steps_plain,
             draft_size_steps=tuple(sorted(self._draft_sizes.items())),
+            spec_tokens_by_source=tuple(zip(SOURCE_NAMES, stats.drafted_by_source, stats.accepted_by_source)),
             num_preemptions=engine.scheduler.num_preemptions, step_errors=self._step_errors, alive=alive,
             prefix_cache_queries=engine.scheduler.prefix_queries, prefix_cache_hits=engine.scheduler.prefix_hits,
         )

@@ -70,11 +70,23 @@ class _EngineCollector(Collector):
             comm.add_metric([self._model, kind], seconds)
         yield comm
         rates = GaugeMetricFamily("augury:spec_acceptance_rate",
-                                  "Acceptance rate of the draft token at each depth (position 1 = first draft).",
+                                  "Acceptance rate of the proposer's draft token at each depth (position 1 = "
+                                  "first draft; a grammar's forced tokens not counted).",
                                   labels=["model_name", "position"])
         for i, rate in enumerate(s.acceptance_rates):
             rates.add_metric([self._model, str(i + 1)], rate)
         yield rates
+        drafted = CounterMetricFamily("augury:spec_draft_tokens",
+                                      "Draft tokens verified, by source (head: the EAGLE-3 head; lookup: prompt "
+                                      "lookup; forced: the tokens a grammar forces).", labels=["model_name", "source"])
+        accepted = CounterMetricFamily("augury:spec_accepted_tokens",
+                                       "Draft tokens accepted, by source (head, lookup, forced; as for "
+                                       "augury:spec_draft_tokens).", labels=["model_name", "source"])
+        for source, n_drafted, n_accepted in s.spec_tokens_by_source:
+            drafted.add_metric([self._model, source], n_drafted)
+            accepted.add_metric([self._model, source], n_accepted)
+        yield drafted
+        yield accepted
         chosen = CounterMetricFamily("augury:spec_draft_size_steps",
                                      "Decode steps by the draft size the speculation policy chose (0 = off).",
                                      labels=["model_name", "draft_tokens"])

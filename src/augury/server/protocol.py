@@ -91,6 +91,14 @@ class SpeculativeUsage(BaseModel):
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of those, accepted and emitted
     verify_steps: int = 0  # verification steps (each also emits one token of the target's own)
+    # the same drafts by source (they sum to the two totals): the EAGLE-3 head's, prompt lookup's (the
+    # n-gram proposer, the branch grafted onto head trees) and the tokens a grammar forces
+    head_draft_tokens: int = 0
+    head_accepted_tokens: int = 0
+    lookup_draft_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+    forced_draft_tokens: int = 0
+    forced_accepted_tokens: int = 0
 
 
 class PromptTokensDetails(BaseModel):

@@ -33,7 +33,9 @@ log = logging.getLogger("augury.server")
 def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput] | None = None) -> dict[str, Any]:
     """OpenAI's usage (with prompt_tokens_details.cached_tokens), plus augury's extension `speculative`: the speculation figures of the
     finished choices (their RequestOutput.spec_stats, summed): draft tokens verified, drafts
-    accepted (and emitted) and verification steps; all 0 for a request that never speculated."""
+    accepted (and emitted) and verification steps, and the drafts and accepted drafts by source (the
+    EAGLE-3 head, prompt lookup, a grammar's forced tokens: they sum to the totals); all 0 for a
+    request that never speculated."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     # OpenAI's prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (of the
@@ -43,7 +45,13 @@ def usage(prompt_tokens: int, completion_tokens: int, finals: list[RequestOutput
     stats = [o.spec_stats for o in finals or []]
     out["speculative"] = {"draft_tokens": sum(s.num_draft_tokens for s in stats),
                           "accepted_tokens": sum(s.num_accepted_draft_tokens for s in stats),
-                          "verify_steps": sum(s.num_verify_steps for s in stats)}
+                          "verify_steps": sum(s.num_verify_steps for s in stats),
+                          "head_draft_tokens": sum(s.num_head_draft_tokens for s in stats),
+                          "head_accepted_tokens": sum(s.num_head_accepted_tokens for s in stats),
+                          "lookup_draft_tokens": sum(s.num_lookup_draft_tokens for s in stats),
+                          "lookup_accepted_tokens": sum(s.num_lookup_accepted_tokens for s in stats),
+                          "forced_draft_tokens": sum(s.num_forced_draft_tokens for s in stats),
+                          "forced_accepted_tokens": sum(s.num_forced_accepted_tokens for s in stats)}
     return out
 
 

@@ -457,8 +457,10 @@ class AdaptivePolicy(Acceptance):
     # ------------------------------------------------------------------ feedback
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: Sequence[Request] | None = None,
-                sizes: list[int] | None = None) -> None:
-        """After a step: acceptance (rows that drafted), then its time for its (bucket, depth) arm."""
+                sizes: list[int] | None = None, forced: int = 0) -> None:
+        """After a step: acceptance (the rows whose proposer drafted: its drafts alone, see the
+        interface), then its time for its (bucket, depth) arm, with every token the step emitted
+        (forced: the grammar-forced drafts it accepted, in no row's acceptance)."""
         depth = shape.num_steps if shape else 0
         if shape is not None:
             self._learn(shape, accepted, offered, reqs)
@@ -476,7 +478,7 @@ class AdaptivePolicy(Acceptance):
             bk.probe_spent += max(seconds / t0 - 1.0, 0.0)
         if not timed:
             return
-        tokens = batch_size + sum(accepted)
+        tokens = batch_size + sum(accepted) + forced
         if bk.on and bk.probe is None:
             bk.real.append((tokens, seconds))
             lost = bk.guard()

@@ -86,12 +86,15 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: list[Request] | None = None,
-                sizes: list[int] | None = None) -> None:
-        """After a step: its time (timed=False: not representative) and, per request that drafted,
-        its accepted drafts and the deepest draft depth it was offered (None: the shape's depth;
-        a request's budget may cut its tree shorter). reqs: those requests, in the same order
+                sizes: list[int] | None = None, forced: int = 0) -> None:
+        """After a step: its time (timed=False: not representative) and, per request whose proposer
+        drafted, its accepted drafts and the deepest draft depth it was offered (None: the shape's
+        depth; a request's budget may cut its tree shorter), both counting the proposer's drafts alone
+        (the EAGLE-3 head's and the prompt-lookup branch it grafts, or the n-gram proposer's), never a
+        grammar's forced tokens (speculative/sources.py). reqs: those requests, in the same order
         (None: unknown); sizes: every row's real node count in the verification, the root included
-        (None: every row verified the whole shape)."""
+        (None: every row verified the whole shape); forced: the forced drafts the step accepted, in
+        any row (part of what it emitted, in no request's acceptance)."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

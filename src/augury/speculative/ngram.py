@@ -9,6 +9,7 @@ import torch
 from augury.core.request import Request
 from augury.speculative.interface import TargetHost
 from augury.speculative.policy import TreeShape
+from augury.speculative.sources import Source
 from augury.speculative.tree import DraftTree, chain_tree
 
 MATCH_MAX = 8  # the longest suffix matched_lookup matches
@@ -98,4 +99,4 @@ class NgramProposer:
             # every row of a batch needs k drafts; pad with the last token (cheaply rejected)
             drafts.append(d + [d[-1] if d else toks[-1]] * (k - len(d)))
         roots = torch.tensor([r.last_token_id for r in reqs])
-        return chain_tree(roots, torch.tensor(drafts, dtype=torch.long).view(len(reqs), k))
+        return chain_tree(roots, torch.tensor(drafts, dtype=torch.long).view(len(reqs), k), Source.LOOKUP)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from augury.attention.tree_mask import num_doublings, self_rooted
+from augury.speculative.sources import Source
 
 
 @dataclass
@@ -28,12 +29,17 @@ class DraftTree:
     with the rest of the batch, but verification never offers them as children, so they can
     never be accepted and they count as no draft. Since every parent precedes its child, the
     first sizes[b] nodes of a row always form a tree of their own.
+
+    `source[b, i]` is node i's Source (the EAGLE-3 head, prompt lookup, a grammar's forced tokens;
+    sources.py), carried through every function here so that verification counts accepted drafts by
+    where they came from; None: every node the head's.
     """
 
     tokens: torch.Tensor   # [B, N] int64; node 0 = root (last committed token)
     parents: torch.Tensor  # [B, N] int64; -1 for the root; parents[b, i] < i for i >= 1
     depth: torch.Tensor    # [B, N] int64; root 0
     sizes: list[int] | None = None  # [B] real nodes per row (root included); None = N each
+    source: torch.Tensor | None = None  # [B, N] int8 Source per node; None = Source.HEAD each
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.shape[1] < 1:
@@ -43,6 +49,9 @@ class DraftTree:
                 "DraftTree tokens, parents and depth must share one shape, got "
                 f"{tuple(self.tokens.shape)}, {tuple(self.parents.shape)}, {tuple(self.depth.shape)}"
             )
+        if self.source is not None and self.source.shape != self.tokens.shape:
+            raise ValueError(f"DraftTree.source must be shaped like tokens {tuple(self.tokens.shape)}, "
+                             f"got {tuple(self.source.shape)}")
         if self.sizes is not None:
             self.sizes = [int(x) for x in self.sizes]
             n = self.tokens.shape[1]
@@ -53,6 +62,12 @@ class DraftTree:
     def row_sizes(self) -> list[int]:
         """Real nodes per row, the root included."""
         return list(self.sizes) if self.sizes is not None else [self.num_nodes] * self.batch_size
+
+    def sources(self) -> torch.Tensor:
+        """[B, N] int8: each node's Source (the head's where none was given)."""
+        if self.source is not None:
+            return self.source
+        return torch.full(tuple(self.tokens.shape), int(Source.HEAD), dtype=torch.int8)
 
     def deepest(self) -> list[int]:
         """Per row, the depth of its deepest real node (0: the root alone, no draft)."""
@@ -80,14 +95,16 @@ def depth_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return dist
 
 
-def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> DraftTree:
-    """root_tokens [B], draft_tokens [B, K] -> a chain root -> d0 -> d1 ... (topk = 1)."""
+def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor, source: Source = Source.HEAD) -> DraftTree:
+    """root_tokens [B], draft_tokens [B, K] -> a chain root -> d0 -> d1 ... (topk = 1), every draft
+    from `source`."""
     b, k = draft_tokens.shape
     dev = draft_tokens.device
     tokens = torch.cat([root_tokens.to(dev, torch.long).view(b, 1), draft_tokens.long()], dim=1)
     parents = torch.arange(-1, k, device=dev).expand(b, k + 1).clone()
     depth = torch.arange(0, k + 1, device=dev).expand(b, k + 1).clone()
-    return DraftTree(tokens=tokens, parents=parents, depth=depth)
+    return DraftTree(tokens=tokens, parents=parents, depth=depth,
+                     source=torch.full((b, k + 1), int(source), dtype=torch.int8))
 
 
 def _ancestor_min(scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -162,13 +179,14 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
     the tree's. Rows get the same node count: a row with fewer new nodes is padded with copies
     of its last node (same parent, same token), which verification can never pick: greedy takes
     the first child holding the target's choice, and sampling skips a sibling token already
-    rejected. Returns the tree unchanged when no chain adds a node.
+    rejected. The new nodes (padding copies included) are Source.LOOKUP's; a chain token the tree
+    already holds stays its drafter's. Returns the tree unchanged when no chain adds a node.
     """
     if len(chains) != tree.batch_size:
         raise ValueError(f"graft_chains: {len(chains)} chains for {tree.batch_size} trees")
     if tree.num_nodes < 2:
         raise ValueError("graft_chains: a tree needs a draft node besides its root to pad rows with")
-    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    toks, pars, srcs = tree.tokens.tolist(), tree.parents.tolist(), tree.sources().tolist()
     added: list[tuple[list[int], list[int]]] = []
     for b, chain in enumerate(chains):
         node, i = 0, 0
@@ -190,10 +208,11 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
         pad = width - len(new_t)
         toks[b] += new_t + [last_t] * pad
         pars[b] += new_p + [last_p] * pad
+        srcs[b] += [int(Source.LOOKUP)] * width
     dev = tree.tokens.device
     parents = torch.tensor(pars, dtype=torch.long, device=dev)
     return DraftTree(tokens=torch.tensor(toks, dtype=torch.long, device=dev), parents=parents,
-                     depth=depth_from_parents(parents))
+                     depth=depth_from_parents(parents), source=torch.tensor(srcs, dtype=torch.int8))
 
 
 def cap_trees(tree: DraftTree, caps: list[int | None]) -> DraftTree:
@@ -210,7 +229,7 @@ def cap_trees(tree: DraftTree, caps: list[int | None]) -> DraftTree:
     if n == tree.num_nodes and tree.sizes is None and min(sizes) == n:
         return tree
     return DraftTree(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n], depth=tree.depth[:, :n],
-                     sizes=sizes)
+                     sizes=sizes, source=None if tree.source is None else tree.source[:, :n])
 
 
 def with_root_only_rows(tree: DraftTree, rows: list[int], roots: list[int]) -> DraftTree:
@@ -228,6 +247,8 @@ def with_root_only_rows(tree: DraftTree, rows: list[int], roots: list[int]) -> D
     others = [i for i in range(b) if i not in set(rows)]
     idx = torch.tensor(rows, device=dev)
     tokens[idx], parents[idx], depth[idx] = tree.tokens, tree.parents, tree.depth
+    source = torch.full((b, n), int(Source.HEAD), dtype=torch.int8)  # a root-only row's nodes: never offered
+    source[torch.tensor(rows)] = tree.sources()
     if others:
         oth = torch.tensor(others, device=dev)
         tokens[oth] = torch.tensor(roots, dtype=torch.long, device=dev)[:, None].expand(len(others), n)
@@ -236,47 +257,58 @@ def with_root_only_rows(tree: DraftTree, rows: list[int], roots: list[int]) -> D
     sizes = [1] * b
     for r, s in zip(rows, tree.row_sizes()):
         sizes[r] = s
-    return DraftTree(tokens=tokens, parents=parents, depth=depth, sizes=sizes)
+    return DraftTree(tokens=tokens, parents=parents, depth=depth, sizes=sizes, source=source)
 
 
-def rebuild_rows(tree: DraftTree, plans: list[tuple[list[int], list[tuple[int, list[int]]]] | None]) -> DraftTree:
+def rebuild_rows(tree: DraftTree, plans: list[tuple[list[int], list[tuple[int, list[int]]]] | None],
+                 chain_sources: list[list[list[int]] | None] | None = None) -> DraftTree:
     """Per row, keep only some of its nodes and hang new chains under kept ones (a grammar's pruning
     and its forced continuations: structured.RequestShaper.plan_tree); None leaves a row as it is.
 
     plans[b] = (kept nodes: ancestor-closed, in index order, the root first; chains: (kept parent
     node, tokens)). Kept nodes keep their order (so parents still precede children and siblings their
-    score order), chain nodes follow in order. Rows get one width again; shorter rows are padded with
-    copies of their root hung under it (never offered: see DraftTree.sizes)."""
+    score order) and their sources, chain nodes follow in order, Source.FORCED's unless
+    chain_sources[b] gives each chain's per-token sources (a step without head drafts: forced tokens
+    and prompt lookup in one chain). Rows get one width again; shorter rows are padded with copies of
+    their root hung under it (never offered: see DraftTree.sizes)."""
     if len(plans) != tree.batch_size:
         raise ValueError(f"rebuild_rows: {len(plans)} plans for {tree.batch_size} trees")
     if all(p is None for p in plans):
         return tree
     toks, pars, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.row_sizes()
-    rows: list[tuple[list[int], list[int]]] = []
+    srcs = tree.sources().tolist()
+    rows: list[tuple[list[int], list[int], list[int]]] = []
     for b, plan in enumerate(plans):
         if plan is None:
-            rows.append((toks[b][: sizes[b]], pars[b][: sizes[b]]))
+            rows.append((toks[b][: sizes[b]], pars[b][: sizes[b]], srcs[b][: sizes[b]]))
             continue
         keep, chains = plan
         if not keep or keep[0] != 0:
             raise ValueError("rebuild_rows: a row's kept nodes must start with its root")
+        given = chain_sources[b] if chain_sources is not None else None
+        if given is not None and [len(c) for c in given] != [len(c) for _, c in chains]:
+            raise ValueError(f"rebuild_rows: row {b}'s chain sources do not match its chains")
         new_id = {old: i for i, old in enumerate(keep)}
         t = [toks[b][i] for i in keep]
         p = [-1] + [new_id[pars[b][i]] for i in keep[1:]]  # KeyError: a kept node's parent was dropped
-        for parent, chain in chains:
+        sr = [srcs[b][i] for i in keep]
+        for c, (parent, chain) in enumerate(chains):
             at = new_id[parent]
-            for tok in chain:
+            for k, tok in enumerate(chain):
                 t.append(tok)
                 p.append(at)
+                sr.append(int(Source.FORCED) if given is None else int(given[c][k]))
                 at = len(t) - 1
-        rows.append((t, p))
-    n = max(len(t) for t, _ in rows)
-    out_t, out_p = [], []
-    for t, p in rows:
+        rows.append((t, p, sr))
+    n = max(len(t) for t, _, _ in rows)
+    out_t, out_p, out_s = [], [], []
+    for t, p, sr in rows:
         pad = n - len(t)
         out_t.append(t + [t[0]] * pad)
         out_p.append(p + [0] * pad)
+        out_s.append(sr + [int(Source.HEAD)] * pad)
     dev = tree.tokens.device
     parents = torch.tensor(out_p, dtype=torch.long, device=dev)
     return DraftTree(tokens=torch.tensor(out_t, dtype=torch.long, device=dev), parents=parents,
-                     depth=depth_from_parents(parents), sizes=[len(t) for t, _ in rows])
+                     depth=depth_from_parents(parents), sizes=[len(t) for t, _, _ in rows],
+                     source=torch.tensor(out_s, dtype=torch.int8))

@@ -27,6 +27,7 @@ from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.ngram import TokenArray, matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
+from augury.speculative.sources import Source, Tally, tally
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
@@ -131,14 +132,19 @@ class Speculator:
         if len(sub) < len(reqs):
             tree = with_root_only_rows(tree, drafting, [r.last_token_id for r, c in zip(reqs, caps) if c == 0])
         tree = grammar_trees(tree, reqs, lookahead)
-        accepted, offered, rows = self.verify_and_commit(host, reqs, tree)
-        # the row sizes tell the policy what share of the whole shape's cost this step drafted
+        verified = self.verify_and_commit(host, reqs, tree)
+        # the policy learns the acceptance of what its budget bought, the proposer's drafts, in the rows
+        # that have any (sources.py: a grammar's forced tokens come whatever it decides, even in a row it
+        # left at its root); the step's output counts them all. The row sizes tell it what share of the
+        # whole shape's cost this step drafted.
+        learned = [(b, t) for b, t in verified if t.depth]
         if not self.warming:
-            self.policy.observe(len(reqs), shape, clock(host.device) - t0, accepted,
+            self.policy.observe(len(reqs), shape, clock(host.device) - t0, [t.hits for _, t in learned],
                                 timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub)
                                 and host.thread_trials() == trials,  # no thread count tried inside
-                                offered=offered,
-                                reqs=[reqs[b] for b in rows], sizes=tree.row_sizes())
+                                offered=[t.depth for _, t in learned],
+                                reqs=[reqs[b] for b, _ in learned], sizes=tree.row_sizes(),
+                                forced=sum(t.accepted[Source.FORCED] for _, t in verified))
         host.stats.steps_spec += 1
         return True
 
@@ -162,21 +168,22 @@ class Speculator:
                 r.shaper is not None and r.shaper.has_grammar for r in reqs):
             return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
         trials, t0 = host.thread_trials(), clock(host.device)
-        chains = []
+        chains: list[tuple[list[int], list[int]]] = []  # (tokens, their sources) per request
         for r in reqs:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
             context = self._tokens.setdefault(r, TokenArray()).of(r.all_token_ids) if lookup else None
-            chains.append(free_drafts(r.shaper, context, limit, lookup) if limit else [])
-        if not any(chains) or not host.reserve(reqs, 1 + max(len(c) for c in chains)):
+            chains.append(free_chain(r.shaper, context, limit, lookup) if limit else ([], []))
+        if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
             return False
         b = len(reqs)
         roots = DraftTree(torch.tensor([[r.last_token_id] for r in reqs]), torch.full((b, 1), -1),
                           torch.zeros(b, 1, dtype=torch.long))
-        tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c in chains])
-        accepted, _, _ = self.verify_and_commit(host, reqs, tree)
+        tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c, _ in chains],
+                            [[src] if c else None for c, src in chains])
+        verified = self.verify_and_commit(host, reqs, tree)
         if not self.warming and host.thread_trials() == trials:
-            self.forced_gate.observe_forced(b, b + sum(accepted), clock(host.device) - t0)
+            self.forced_gate.observe_forced(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0)
         host.stats.steps_spec += 1
         return True
 
@@ -184,10 +191,10 @@ class Speculator:
         """r can draft now: a proposer reading target features has one it has not seen."""
         return not self.needs_aux or r.num_computed > r.draft_len
 
-    def verify_and_commit(self, host: TargetHost, reqs: list[Request],
-                          tree: DraftTree) -> tuple[list[int], list[int], list[int]]:
-        """Verify and commit every row; returns, for the rows that drafted (more than a root),
-        the accepted draft count, the deepest draft depth offered and the row's index."""
+    def verify_and_commit(self, host: TargetHost, reqs: list[Request], tree: DraftTree) -> list[tuple[int, Tally]]:
+        """Verify and commit every row; returns, for the rows that drafted (more than a root), the
+        row's index and its drafts by source (sources.tally), which the engine's and the request's
+        counters take too."""
         dev = host.device
         # rows a budget cut short are verified packed: padding nodes cost no target rows
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
@@ -211,23 +218,29 @@ class Speculator:
                     dst.append(slot_of(r.block_table, r.num_computed + j, bs))
         if src:
             host.copy_kv_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        accepted, offered, rows = [], [], []
+        pars, srcs = tree.parents.tolist(), tree.sources().tolist()
+        verified = []
         for b, (r, toks, path) in enumerate(zip(reqs, committed, res.accepted_nodes)):
-            m = len(path) - 1
             # the root and the accepted drafts are now in the cache, with their target features
             host.advance(r, len(toks), aux[b, path] if aux is not None else None)
             kept = host.commit(r, toks, lps[b])  # fewer than len(toks) when a stop condition cut it short
             if sizes[b] == 1:  # a root-only row: a plain decode step for this request, not a verification
                 continue
-            accepted.append(m)
-            offered.append(depths[b])
-            rows.append(b)
-            host.stats.record_verification(depths[b], m, sizes[b] - 1)  # the verifier's verdict
+            t = tally(pars[b], srcs[b], sizes[b], path, kept - 1)
+            verified.append((b, t))
+            host.stats.record_verification(t.depth, t.hits, t.drafted, t.accepted)  # the verifier's verdict
             # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
-            r.spec_stats.num_verify_steps += 1
-            r.spec_stats.num_draft_tokens += sizes[b] - 1
-            r.spec_stats.num_accepted_draft_tokens += min(m, kept - 1)
-        return accepted, offered, rows
+            s = r.spec_stats
+            s.num_verify_steps += 1
+            s.num_draft_tokens += sizes[b] - 1
+            s.num_accepted_draft_tokens += sum(t.emitted)
+            s.num_head_draft_tokens += t.drafted[Source.HEAD]
+            s.num_head_accepted_tokens += t.emitted[Source.HEAD]
+            s.num_lookup_draft_tokens += t.drafted[Source.LOOKUP]
+            s.num_lookup_accepted_tokens += t.emitted[Source.LOOKUP]
+            s.num_forced_draft_tokens += t.drafted[Source.FORCED]
+            s.num_forced_accepted_tokens += t.emitted[Source.FORCED]
+        return verified
 
     @classmethod
     def _node_logits(cls, host: TargetHost, hidden: torch.Tensor, tree: DraftTree, reqs: list[Request]):
@@ -324,6 +337,12 @@ def grammar_trees(tree: DraftTree, reqs: list[Request], capacity: int) -> DraftT
 
 def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
                 lookup: bool = True) -> list[int]:
+    """free_chain's tokens alone."""
+    return free_chain(shaper, context, limit, lookup)[0]
+
+
+def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
+               lookup: bool = True) -> tuple[list[int], list[int]]:
     """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
     at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
     forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
@@ -332,18 +351,23 @@ def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray
     grammar refuses. Without a grammar: prompt lookup alone. lookup=False: the forced tokens alone
     (context unused). JSON answers repeat what they and their
     prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
-    demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time."""
+    demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
+    Returns the tokens and each one's Source (FORCED or LOOKUP)."""
     if shaper is None or not shaper.has_grammar:
-        return matched_lookup(context, limit) if lookup else []
+        drafts = matched_lookup(context, limit) if lookup else []
+        return drafts, [Source.LOOKUP] * len(drafts)
     if not lookup:
-        return shaper.forced_tokens(limit)
+        forced = shaper.forced_tokens(limit)
+        return forced, [Source.FORCED] * len(forced)
     out: list[int] = []
+    src: list[int] = []
     try:
         while len(out) < limit:
             forced = shaper.forced_tokens(limit - len(out))
             for t in forced:
                 shaper.push(t)
             out += forced
+            src += [Source.FORCED] * len(forced)
             if len(out) >= limit:
                 break
             drafts = matched_lookup(np.concatenate((context, out)) if out else context, limit - len(out))
@@ -354,11 +378,12 @@ def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray
             for t in drafts[:kept]:
                 shaper.push(t)
             out += drafts[:kept]
+            src += [Source.LOOKUP] * kept
             if kept < len(drafts):  # the earlier text went on otherwise than the grammar allows here
                 break
     finally:
         shaper.pop_all()
-    return out
+    return out, src
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:
