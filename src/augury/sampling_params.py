@@ -117,6 +117,15 @@ class SamplingParams:
 
     ``output_kind`` (an OutputKind, or its value as a string): whether the engine's outputs for this
     request are cumulative (default), deltas, or one final output (see OutputKind).
+
+    vLLM's output extras: ``min_tokens`` n (<= max_tokens): the first n output tokens cannot be an
+    end-of-sequence token (unless ignore_eos) or one of ``stop_token_ids`` (they are masked, a logit
+    shaping like the above) and stop strings are not looked for before the n-th token;
+    ``include_stop_str_in_output``: the stop string that ended the text stays at its end;
+    ``skip_special_tokens`` (default True): special tokens are left out of the text;
+    ``spaces_between_special_tokens`` (default True, only with skip_special_tokens False): the
+    tokenizer's own decoding; False: special and added tokens' text joined to the text around them
+    with nothing in between (engine/detokenizer.py).
     """
 
     max_tokens: int = 16
@@ -138,6 +147,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,6 +183,13 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_shaping()
         try:
             self.output_kind = OutputKind(self.output_kind)
@@ -215,7 +235,8 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether anything besides temperature, top-k, top-p and min-p acts on this request's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.bad_words or self.structured_outputs is not None)
+                    or self.logit_bias or self.bad_words or self.structured_outputs is not None
+                    or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -10,10 +10,22 @@ class IncrementalDetokenizer:
     The text so far is kept as the pieces the steps released: a step appends one, and reading
     the end of the text (`tail`) walks back over the last few, so no step copies the whole text
     (`text` joins them, for whoever needs all of it).
+
+    skip_special_tokens (default): special tokens are left out of the text. Without it,
+    spaces_between_special_tokens (default) keeps the tokenizer's own decoding of them; False joins
+    the text of every added token (special or not) to the text around it with nothing in between:
+    the runs of ordinary tokens are decoded apart and the added tokens' text put between them (the
+    decoders of some tokenizers, e.g. WordPiece's and SentencePiece's, put spaces there).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # id -> text of each added token, where they are decoded apart from the text around them
+        self._added: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+            self._added = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
         self.prefix_offset = 0
         self.read_offset = 0
         self._pieces: list[str] = []
@@ -49,10 +61,27 @@ class IncrementalDetokenizer:
             self._pieces.append(delta)
             self.length += len(delta)
 
+    def _decode(self, ids: list[int]) -> str:
+        if self._added is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in self._added:
+                if run:
+                    parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self._added[t])
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(parts)
+
     def step(self, ids: list[int]) -> str:
-        dec = self.tokenizer.decode
-        prefix = dec(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = dec(ids[self.prefix_offset :], skip_special_tokens=True)
+        dec = self._decode
+        prefix = dec(ids[self.prefix_offset : self.read_offset])
+        full = dec(ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
@@ -66,9 +95,9 @@ class IncrementalDetokenizer:
         window that ends in an incomplete character, yet its complete part can already end a
         stop string (a token "yz\\xc3" completes "yz" though the "\\xc3" waits for its
         continuation)."""
-        dec = self.tokenizer.decode
-        prefix = dec(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = dec(ids[self.prefix_offset :], skip_special_tokens=True)
+        dec = self._decode
+        prefix = dec(ids[self.prefix_offset : self.read_offset])
+        full = dec(ids[self.prefix_offset :])
         return full[len(prefix) :].rstrip("\ufffd") if len(full) > len(prefix) else ""
 
     def stop_prefix_len(self, stops: list[str]) -> int:
@@ -87,8 +116,8 @@ class IncrementalDetokenizer:
 
     def flush(self, ids: list[int]) -> str:
         """At the end: whatever is left, even a dangling partial character."""
-        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self._decode(ids[self.prefix_offset : self.read_offset])
+        full = self._decode(ids[self.prefix_offset :])
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.read_offset = self.prefix_offset = len(ids)
         self._append(delta)

@@ -21,6 +21,7 @@ from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 from augury.engine.detokenizer import IncrementalDetokenizer
 from augury.core.features import FeatureStore
+from augury.core.kv_budget import KVPlan
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.request import Request, Status
 from augury.engine.sampler import sample
@@ -78,6 +79,8 @@ class Engine:
         device: torch.device,
         attention: AttentionBackend,
         speculator: Speculator | None = None,
+        dtype: torch.dtype | None = None,
+        kv_plan: KVPlan | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -89,7 +92,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_position = max_position  # largest position the model computes (drafts may pass max_model_len)
         self.device = device
-        self.dtype = kv.k.dtype
+        self.dtype = dtype or kv.k.dtype  # the model's (the cache's may differ: --kv-cache-dtype)
+        self.kv_plan = kv_plan  # how the builder sized the cache (/server_info)
         self.attention = attention
         self.speculator = speculator
         self.scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens)
@@ -126,10 +130,11 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params)
         req.shaper = make_shaper(params, ids, vocab_size=vocab, device=self.device, tokenizer=self.tokenizer,
-                                 backend=self.grammar)
+                                 backend=self.grammar, eos_token_ids=self.eos_token_ids)
         self.requests[request_id] = req
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                             params.spaces_between_special_tokens)
         self.scheduler.add(req)
         return request_id
 
@@ -416,7 +421,9 @@ class Engine:
             if p.stop:  # the stop token's text may also complete a stop string: cut it there
                 self._hit_stop_string(req)
             return "stop"
-        if p.stop and self._hit_stop_string(req):
+        # min_tokens: no stop string ends the output before its min_tokens-th token (EOS and stop
+        # token ids cannot come that early: the shaper masks them)
+        if p.stop and len(req.output_token_ids) >= p.min_tokens and self._hit_stop_string(req):
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
@@ -443,9 +450,11 @@ class Engine:
         longest = max(len(s) for s in req.params.stop)
         window_start = max(0, before - longest + 1)  # a stop string may begin this far back, no further
         window = detok.tail(detok.length - window_start) + extra
-        hits = [i for s in req.params.stop if (i := window.find(s)) >= 0]
+        hits = [(i, len(s)) for s in req.params.stop if (i := window.find(s)) >= 0]
         if hits:
-            detok.cut(window_start, window[: min(hits)])
+            at, size = min(hits)  # the first to begin (of two beginning there, the shorter: it ends first)
+            # include_stop_str_in_output: the text ends with the stop string, else just before it
+            detok.cut(window_start, window[: at + size if req.params.include_stop_str_in_output else at])
             req.text_frozen = True  # the stop string and anything after it are never shown
             return True
         return False

@@ -4,7 +4,7 @@ speculative verification alike (shaper.py), and prunes and extends its draft tre
 a proposer). tools.py builds the tool-call grammar and parses tool calls out of the text."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -16,9 +16,10 @@ __all__ = ["GrammarBackend", "RequestShaper", "ShapingStats", "make_shaper"]
 
 
 def make_shaper(params: SamplingParams, prompt_ids: Sequence[int], *, vocab_size: int, device: torch.device,
-                tokenizer, backend: Callable[[], GrammarBackend]) -> RequestShaper | None:
+                tokenizer, backend: Callable[[], GrammarBackend],
+                eos_token_ids: Collection[int] = ()) -> RequestShaper | None:
     """The request's shaper, or None when nothing but temperature, top-k, top-p and min-p acts on its
-    logits. ValueError (naming the parameter) for what this model cannot take: a token id outside
+    logits (eos_token_ids: what min_tokens holds off, with the request's stop_token_ids). ValueError (naming the parameter) for what this model cannot take: a token id outside
     its vocabulary, bad words or a grammar without a tokenizer, a grammar xgrammar refuses."""
     if not params.shapes_logits:
         return None
@@ -34,8 +35,9 @@ def make_shaper(params: SamplingParams, prompt_ids: Sequence[int], *, vocab_size
     if params.structured_outputs is not None:
         grammar = backend()
         matcher = grammar.matcher(params.structured_outputs)
+    ends = [*([] if params.ignore_eos else eos_token_ids), *params.stop_token_ids]
     shaper = RequestShaper(params, prompt_ids, vocab_size, device, matcher, grammar, words,
-                           grammar.stats if grammar is not None else None)
+                           grammar.stats if grammar is not None else None, ends)
     if grammar is not None:
         grammar.stats.constrained_requests += 1
     return shaper

@@ -40,7 +40,7 @@ class RequestShaper:
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, device: torch.device,
                  matcher=None, backend: GrammarBackend | None = None, bad_words: list[list[int]] | None = None,
-                 stats: ShapingStats | None = None) -> None:
+                 stats: ShapingStats | None = None, stop_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.matcher = matcher
@@ -62,6 +62,12 @@ class RequestShaper:
         if p.logit_bias:
             self.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
             self.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+        # min_tokens: the tokens that would end the request (EOS unless ignore_eos, stop_token_ids) are
+        # masked while the output (committed + pushed, so a verification node is shaped as a decode
+        # step at its position would be) is shorter than min_tokens
+        self.min_tokens = p.min_tokens
+        ends = sorted({t for t in stop_ids if 0 <= t < vocab_size})
+        self.min_stop = torch.tensor(ends, dtype=torch.long, device=device) if p.min_tokens and ends else None
         words = bad_words or []
         single = sorted({w[0] for w in words if len(w) == 1})
         self.bad_single = torch.tensor(single, dtype=torch.long, device=device) if single else None
@@ -147,6 +153,8 @@ class RequestShaper:
 
     def _shape(self, logits: torch.Tensor) -> None:
         """Everything apply does but the grammar's mask."""
+        if self.min_stop is not None and len(self.output) < self.min_tokens:
+            logits.index_fill_(0, self.min_stop, float("-inf"))
         if self.bias_ids is not None:
             logits.index_add_(0, self.bias_ids, self.bias_values)
         if self.bad_single is not None:
