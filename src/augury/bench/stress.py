@@ -54,6 +54,7 @@ class StressSettings:
     sample_every: float = 10.0
     request_timeout: float = 300.0
     replay_max: int = 400  # distinct deterministic bodies replayed one at a time
+    replay_twice: bool = False  # send each twice alone: are answers alone even stable? (numerics vs batching)
     sigterm: bool = False
     sigterm_after: float = 3.0  # seconds of load in the SIGTERM phase before the signal
     drain_timeout: float = 60.0  # how long the server may take to exit after SIGTERM
@@ -154,12 +155,17 @@ async def _replay(s: StressSettings, base_url: str, results: list[Result]) -> di
     mismatches: dict[str, list[dict[str, Any]]] = {"greedy": [], "seeded": []}
     compared = Counter()
     replays: list[Result] = []
+    unstable = 0  # bodies whose two answers alone differed (replay_twice)
     async with _client(1, s.request_timeout) as http:
         for key in keys:
             first = answered[key][0]
             alone = await send(http, base_url, Call(first.kind, first.path, json.loads(key), deterministic=True),
                                s.request_timeout, "replay")
             replays.append(alone)
+            if s.replay_twice:
+                again = await send(http, base_url, Call(first.kind, first.path, json.loads(key), deterministic=True),
+                                   s.request_timeout, "replay")
+                unstable += again.answer != alone.answer
             family = "seeded" if first.case == "seeded" else "greedy"
             same = sum(alone.answer == r.answer for r in answered[key])
             compared[family] += len(answered[key])
@@ -171,6 +177,7 @@ async def _replay(s: StressSettings, base_url: str, results: list[Result]) -> di
                         "alone_error": alone.error, "load_answers_equal_alone": f"{same} of {len(answered[key])}",
                         **_neighbours(r, results)})
     return {"distinct_bodies": len(answered), "replayed": len(keys), "compared": dict(compared),
+            "alone_twice_unequal": unstable if s.replay_twice else None,
             "mismatches": mismatches, "replay_failures": [asdict(r) for r in replays if r.status != 200 or r.error]}
 
 
@@ -334,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds into the load of the RSS/KV reference sample (at most a third of --duration)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.add_argument("--replay-max", type=int, default=d.replay_max, help="distinct bodies replayed one at a time")
+    p.add_argument("--replay-twice", action="store_true", help="replay each body twice alone and count the bodies "
+                   "whose two answers differ (answers alone that vary point at numerics, not at batching)")
     p.add_argument("--sigterm", action="store_true", help="end with SIGTERM under load and report the drain")
     p.add_argument("--sigterm-after", type=float, default=d.sigterm_after)
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = StressSettings(
         model=args.model, server_args=tuple(shlex.split(args.server_args)), url=args.url, clients=args.clients,
         duration=args.duration, max_tokens=args.max_tokens, seed=args.seed, first_sample=args.first_sample,
-        request_timeout=args.request_timeout, replay_max=args.replay_max, sigterm=args.sigterm,
+        request_timeout=args.request_timeout, replay_max=args.replay_max, replay_twice=args.replay_twice,
+        sigterm=args.sigterm,
         sigterm_after=args.sigterm_after, drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
         out=args.out, mix=args.mix)
     try:

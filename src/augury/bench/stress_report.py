@@ -101,7 +101,9 @@ def format_report(rep: dict[str, Any]) -> str:
     rp, kv, rss = rep["replay"], rep["kv_blocks_in_use"], rep["rss"]
     lines.append(f"replayed alone: {rp['replayed']} of {rp['distinct_bodies']} distinct bodies; answers under load "
                  f"unequal to the one alone: greedy {len(rp['mismatches']['greedy'])} of {rp['compared'].get('greedy', 0)}, "
-                 f"seeded (n > 1) {len(rp['mismatches']['seeded'])} of {rp['compared'].get('seeded', 0)}")
+                 f"seeded (n > 1) {len(rp['mismatches']['seeded'])} of {rp['compared'].get('seeded', 0)}"
+                 + ("" if rp.get("alone_twice_unequal") is None else
+                    f"; bodies whose two answers alone differ: {rp['alone_twice_unequal']}"))
     lines.append(f"batch full (running = max_num_seqs) in {rep['batch_full_share']:.0%} of {len(rep['samples'])} "
                  f"samples")
     lines.append(f"KV blocks in use: first sample {kv['first_sample']}, after load {kv['after_load']}, after replay "
