@@ -360,12 +360,13 @@ def test_gguf_quantization_none_gives_the_dense_path(q4_gguf) -> None:
     assert (a - b).abs().mean() < 0.01 * a.abs().mean()
 
 
-def test_gguf_without_q4_tensors_has_no_side_file(tmp_path: Path) -> None:
+def test_gguf_q8_0_tensors_run_natively_in_bfloat16_and_dense_in_float32(tmp_path: Path) -> None:
     import test_gguf
 
     model = test_gguf._tiny_model(tied=True)
     test_gguf._write_gguf(model, tmp_path / "t.gguf", Q80)
     folder = convert_gguf_to_hf(tmp_path / "t.gguf", tmp_path / "hf", dtype=torch.float32)
-    assert not (folder / INT4_INDEX).exists()  # no Q4 tensor: no side file, auto is dense
+    index = json.loads((folder / INT4_INDEX).read_text())
+    assert set(index["kinds"].values()) == {"q8g"} and not index["int4"]  # Q8_0: the w8a8 kernel's general form
     dense, _ = load_target(folder, torch.float32, torch.device("cpu"), 64, quantization="auto")
-    assert dense.quantization == "none"
+    assert dense.quantization == "none"  # float32, the reference mode: dense

@@ -34,7 +34,7 @@ log = logging.getLogger("augury.resolve")
 DEMO = "demo"
 GGUF_MAGIC = b"GGUF"
 GGUF_MARKER = ".augury-complete"
-CONVERSION_FORMAT = 2  # in the cache key; bump when the converter's output changes (2: Q4 blocks also kept as int4)
+CONVERSION_FORMAT = 3  # in the cache key; bump when the converter's output changes (2: Q4 blocks also kept as int4; 3: K-quants, Q8_0, Q5_* too)
 _HINT = "pass a Hugging Face checkpoint folder, a llama-architecture .gguf file, or 'demo'"
 
 

@@ -11,7 +11,10 @@ order whatever the other rows and the threads, so rows are row-count invariant (
 torch's int4 kernel in quant.Int4Linear and docs/architecture.md).
 
 w8a8 (csrc/w8a8.cpp): int8 weights with a float32 scale per group of 32 (GGUF's Q8_0) against the
-same int8 activations, float32 out: a quantised target's output layer.
+same int8 activations, float32 out: a quantised target's output layer. Its general form (w8a8.h,
+`W8A8.linear_general`) adds an int8 sub-scale per 16 and a float32 zero per group, each optional:
+GGUF's Q8_0, Q6_K, Q5_0, Q5_1 and Q5_K linears in their exact values (models/native.py). w4a8's
+float32 form (`W4A8.linear` with float32 scales) takes the codes as they are, w = q s + z: Q4_K.
 
 bf16 (csrc/bf16.cpp): dense bfloat16 weights repacked in panels of 8 columns against float32
 activations, float32 sums in a fixed order (row-count invariant): a dense bfloat16 target on CPUs
@@ -96,12 +99,16 @@ class W4A8:
         self._lib = ctypes.CDLL(str(path))
         self._fn = _bind(self._lib, "augury_w4a8_linear",
                          [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
+        self._fn_f32 = _bind(self._lib, "augury_w4f_linear",
+                             [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
-    def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """codes [N, K] integers 0..15, scale / zero [N, K / 32] (bfloat16 values), N a multiple of 16
+    def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+        """codes [N, K] integers 0..15, scale / zero [N, K / 32] (values of `dtype`), N a multiple of 16
         -> the kernel's panels of 16 columns (csrc/w4a8.h): codes [N / 16, G, 256] uint8, scale and
-        zero [N / 16, G, 16] bfloat16, G = K / 32."""
+        zero [N / 16, G, 16] in `dtype`, G = K / 32. bfloat16: w = (q - 8) s + z; float32: w = q s + z
+        (the kernel's float32 form, linear() choosing it by the scales' dtype)."""
         n, k = codes.shape
         if k % GROUP or n % PANEL:
             raise ValueError(f"w4a8 needs in_features % {GROUP} == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
@@ -111,14 +118,17 @@ class W4A8:
         c = codes.cpu().numpy().astype(np.uint8).reshape(p, PANEL, g, 4, 2, 4).transpose(0, 2, 3, 1, 4, 5)
         nib = torch.from_numpy(np.ascontiguousarray(c[..., 0, :] | (c[..., 1, :] << 4)).reshape(p, g, 4 * PANEL * 4))
 
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w4a8 scales are bfloat16 or float32, not {dtype}")
+
         def panels(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.bfloat16).reshape(p, PANEL, g).transpose(1, 2).contiguous()
+            return t.to(dtype).reshape(p, PANEL, g).transpose(1, 2).contiguous()
 
         return nib, panels(scale), panels(zero)
 
     @staticmethod
     def unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """pack()'s inverse: (codes [N, K] uint8 0..15, scale [N, G], zero [N, G] bfloat16)."""
+        """pack()'s inverse: (codes [N, K] uint8 0..15, scale [N, G], zero [N, G] in their dtype)."""
         p, g, _ = codes.shape
         c = codes.reshape(p, g, 4, PANEL, 4)
         c = torch.stack([c & 0x0F, c >> 4], dim=-2)  # [panel, group, block, column, low/high, j]
@@ -132,7 +142,8 @@ class W4A8:
     def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's dtype), no bias
-        (quant.Int4Linear adds its own). The weights are pack()'s output."""
+        (quant.Int4Linear adds its own). The weights are pack()'s output, bfloat16 scales and zeros
+        (w = (q - 8) s + z) or float32 ones (w = q s + z)."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
                              f"{x.dtype} on {x.device}")
@@ -142,13 +153,14 @@ class W4A8:
         p, g, _ = codes.shape
         if k != g * GROUP:
             raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
-        _expect("w4a8", "scale", scale, (torch.bfloat16,), (p, g, PANEL))
-        _expect("w4a8", "zero", zero, (torch.bfloat16,), (p, g, PANEL))
+        _expect("w4a8", "scale", scale, (torch.bfloat16, torch.float32), (p, g, PANEL))
+        _expect("w4a8", "zero", zero, (scale.dtype,), (p, g, PANEL))
         out_dtype = out_dtype or x.dtype
         n = p * PANEL
         y = torch.empty(m, n, dtype=out_dtype)
-        rc = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
-                      zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+        fn = self._fn_f32 if scale.dtype == torch.float32 else self._fn
+        rc = fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
+                zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y
@@ -162,6 +174,8 @@ class W8A8:
         self._lib = ctypes.CDLL(str(path))
         self._fn = _bind(self._lib, "augury_w8a8_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _I32], _I32)
         self._columns = _bind(self._lib, "augury_w8a8_columns", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _P, _P], _I32)
+        self._general = _bind(self._lib, "augury_w8g_linear",
+                              [_P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +193,60 @@ class W8A8:
         # [panel, column, group, block, j] -> [panel, group, block, column, j]
         q = q.view(p, PANEL, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(p, g, 8 * PANEL * 4).contiguous()
         return q, scale.view(p, PANEL, g).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def pack_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                   sub: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+        """The general form's panels from a format's own values: codes [N, K] int8, scale [N, K / 32]
+        float32, zero [N, K / 32] float32 or None, sub [N, K / 16] int8 or None (w = scale sub codes +
+        zero), N a multiple of 16 -> (codes [P, G, 512] int8, scale [P, G, 16] float32, zero [P, G, 16]
+        float32 or None, sub [P, G, 32] int8 or None: per group the 16 columns' first half, then their
+        second)."""
+        n, k = codes.shape
+        if k % GROUP or n % PANEL:
+            raise ValueError(f"w8a8 needs in_features % {GROUP} == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
+        g, p = k // GROUP, n // PANEL
+        q = codes.to(torch.int8).reshape(p, PANEL, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(p, g, 8 * PANEL * 4)
+
+        def panels(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.float().reshape(p, PANEL, g).transpose(1, 2).contiguous()
+
+        subs = None if sub is None else \
+            sub.to(torch.int8).reshape(p, PANEL, g, 2).permute(0, 2, 3, 1).reshape(p, g, 2 * PANEL).contiguous()
+        return q.contiguous(), panels(scale), panels(zero), subs
+
+    @staticmethod
+    def unpack_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     sub: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """pack_codes()'s inverse: (codes [N, K] int8, scale [N, G], zero [N, G] or None, sub [N, 2 G] or None)."""
+        p, g, _ = codes.shape
+        q = codes.view(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g * GROUP)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.transpose(1, 2).reshape(p * PANEL, g)
+
+        subs = None if sub is None else sub.view(p, g, 2, PANEL).permute(0, 3, 1, 2).reshape(p * PANEL, 2 * g)
+        return q, rows(scale), rows(zero), subs
+
+    def linear_general(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       sub: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: the general
+        form on pack_codes()'s panels (w = scale sub codes + zero; N every column the panels hold)."""
+        x, n = self._checked(x, codes, scale, None)
+        m, k = x.shape
+        p, g, _ = codes.shape
+        if zero is not None:
+            _expect("w8a8", "zero", zero, (torch.float32,), (p, g, PANEL))
+        if sub is not None:
+            _expect("w8a8", "sub", sub, (torch.int8,), (p, g, 2 * PANEL))
+        out_dtype = out_dtype or x.dtype
+        y = torch.empty(m, n, dtype=out_dtype)
+        rc = self._general(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
+                           None if zero is None else zero.data_ptr(), None if sub is None else sub.data_ptr(), n,
+                           y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+        if rc:
+            raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
 
     @staticmethod
     def unpack(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:

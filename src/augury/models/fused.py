@@ -30,7 +30,10 @@ import torch
 from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 
-FIELDS = 18  # per layer: the order of kernels/forward.cpp's Field enum
+FIELDS = 26  # per layer: the order of kernels/forward.cpp's Field enum (two norms, four projections of 6)
+# a projection's kind (forward.cpp's Kind enum): dense bfloat16 panels, int4 on the w4a8 kernel with
+# bfloat16 scales, with float32 ones (Q4_K: models/native.py), int8 on w8a8's general form (Q8_0, Q6_K, Q5_*)
+DENSE, W4A8 = 0, 1
 
 _epoch = 0  # bumped whenever a Watched module moves, converts or has a module or tensor assigned
 
@@ -108,11 +111,15 @@ def _addr(t: torch.Tensor | None) -> int:
 
 
 def _linear_fields(lin) -> list[int] | None:
-    """The kernel's four fields for one projection: (codes, scale, zero, bias) of a w4a8 int4 linear
-    in bfloat16, (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel (each kernel
-    module's `fused_fields`); else None."""
+    """The kernel's six fields for one projection, (kind, codes, scale, zero, sub-scales, bias), from
+    each kernel module's `fused_fields`: four of them, (codes, scale, zero, bias) of a w4a8 int4 linear
+    in bfloat16 or (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel, or all six (the
+    native GGUF linears, models/native.py); else None."""
     fields = getattr(lin, "fused_fields", None)
-    return fields() if callable(fields) else None
+    f = fields() if callable(fields) else None
+    if f is None or len(f) == 6:
+        return f
+    return [DENSE if f[1] == 0 else W4A8, f[0], f[1], f[2], 0, f[3]]
 
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
@@ -181,14 +188,14 @@ class FusedStack:
                 if f is None:
                     return None
                 if i in (1, 3) and after_sum[i // 2] is not None:
-                    f = [*f[:3], after_sum[i // 2].data_ptr()]
+                    f = [*f[:5], after_sum[i // 2].data_ptr()]
                     held.append(after_sum[i // 2])
                 fields += f
                 if i == 1:
                     fields.append(norms[1].data_ptr())
             rows.append(fields)
             held += [*norms, *(t for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                            layer.mlp.down_proj) for t in lin.buffers())]
+                                            layer.mlp.down_proj) for t in lin.buffers() if t is not None)]
         if model.norm.weight.dtype != torch.bfloat16:
             return None
         kernel = cpu_kernels.forward()

@@ -11,12 +11,17 @@ HF's rotate-half RoPE layout (per head: first half of the pairs, then the second
 GGML interleaved layout (per head: pairs adjacent). We undo that here; qwen2 / qwen3 files are
 not permuted. A Llama 3.1-style `rope_freqs.weight` becomes config.json's llama3 rope_scaling.
 
-Q4_0 / Q4_1 tensors are also written in exact value, unrounded, to a side file
-(`INT4_FILE`, described by `INT4_INDEX`) that augury's loader runs natively as int4
-(models/quant.py): per HF tensor `<name>.codes` uint8 [N, K/2] (column 2i in the low nibble,
-2i+1 in the high), `<name>.scale` float16 [N, K/32] and `<name>.zero` float32 [N, K/32], with
-w = (q - 8) * scale + zero, the int4 kernel's convention: Q4_0 (value d*(q-8)) is scale d,
-zero 0; Q4_1 (value d*q + m) is scale d, zero m + 8d. Rows are in HF order (Q/K unpermuted).
+Quantised tensors augury runs natively are also written, unrounded, to a side file (`INT4_FILE`,
+described by `INT4_INDEX`: each tensor's kind, models/native.py), rows in HF order (Q/K unpermuted):
+- Q4_0 / Q4_1 ("int4"): `<name>.codes` uint8 [N, K/2] (column 2i in the low nibble, 2i+1 in the
+  high), `<name>.scale` float16 [N, K/32] and `<name>.zero` float32 [N, K/32], with
+  w = (q - 8) * scale + zero, the int4 kernel's convention: Q4_0 (value d*(q-8)) is scale d,
+  zero 0; Q4_1 (value d*q + m) is scale d, zero m + 8d.
+- Q4_K ("q4f"): codes as int4's, scale and zero float32 [N, K/32], w = q * scale + zero, exact.
+- Q8_0, Q6_K, Q5_0, Q5_1, Q5_K ("q8g"): codes int8 [N, K], scale float32 [N, K/32], and where the
+  format has them zero float32 [N, K/32] and sub int8 [N, K/16], w = scale * sub * q + zero, exact
+  (models/gguf_blocks.py).
+Other types (IQ*, Q2_K, Q3_K, ...) are only in the dense file; the loader runs them dense and says so.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from augury.models import gguf_blocks
 from augury.models.gguf_arch import ROPE_FREQS, arch_spec, expected_shapes, hf_name, read_config
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
@@ -99,6 +105,22 @@ def _repack_q4(t: Any) -> dict[str, torch.Tensor]:
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # [N, K] 0..15
     codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [N, K/2]
     return {"codes": torch.from_numpy(codes), "scale": torch.from_numpy(d.copy()), "zero": torch.from_numpy(zero)}
+
+
+def _native_parts(t: Any) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """(kind, side-file parts) of a tensor augury runs natively, or (None, {}) for another type."""
+    if t.tensor_type in _Q4_TYPES:
+        return "int4", _repack_q4(t)
+    if t.tensor_type not in gguf_blocks.DECODERS:
+        return None, {}
+    rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else 1
+    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+    kind, parts = gguf_blocks.decode(blocks, t.tensor_type)
+    if kind == "q4f":  # two codes a byte, as int4's
+        q = parts["codes"]
+        parts["codes"] = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return kind, {k: torch.from_numpy(v) for k, v in parts.items()}
 
 
 def _load_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -172,13 +194,16 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
         tensors: dict[str, torch.Tensor] = {}
         int4: dict[str, torch.Tensor] = {}
         source_types: dict[str, str] = {}
+        kinds: dict[str, str] = {}
         for name, shape in expected.items():
             t = by_name[hf_to_gguf[name]]
             w = _load_tensor(t, dtype)
             if tuple(w.shape) != shape:
                 raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {shape}")
             source_types[name] = t.tensor_type.name
-            parts = _repack_q4(t) if t.tensor_type in _Q4_TYPES else {}
+            kind, parts = _native_parts(t) if len(shape) == 2 else (None, {})
+            if kind is not None:
+                kinds[name] = kind
             heads = None
             if spec.permuted_qk and name.endswith("self_attn.q_proj.weight"):  # [heads * head_dim, hidden]
                 heads = config["num_attention_heads"]
@@ -194,9 +219,10 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
         if int4:
             save_file(int4, str(staging / INT4_FILE), metadata={"format": INT4_FORMAT})
             index = {"format": INT4_FORMAT, "file": INT4_FILE, "group_size": _QK4,
-                     "value": "(q - 8) * scale + zero",
-                     "int4": sorted(n for n, k in source_types.items() if k in _Q4_TYPES.values()),
-                     "source_types": source_types}
+                     "value": {"int4": "(q - 8) * scale + zero", "q4f": "q * scale + zero",
+                               "q8g": "scale * sub * q + zero"},
+                     "int4": sorted(n for n, k in kinds.items() if k == "int4"),
+                     "kinds": kinds, "source_types": source_types}
             (staging / INT4_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         del int4
         _save_tokenizer(gguf_path, reader, staging)

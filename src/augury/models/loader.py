@@ -5,6 +5,8 @@ tensor in the checkpoint must be used: anything else is a ValueError naming the 
 """
 from __future__ import annotations
 
+import logging
+
 import json
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 # Tensors some checkpoints carry that no forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+log = logging.getLogger(__name__)
 
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -226,43 +230,60 @@ def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
 
 
 def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> int:
-    """Swap in the int4 weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE):
-    Q4_0/Q4_1 tensors run as int4 in their exact value (scales rounded to `dtype` only); a linear
-    whose source was 8-bit (Q8_0: the demo's tied output layer) runs as int8 per channel,
-    requantised from its dense weights, except an output layer where augury's w8a8 kernel (Q8_0's
-    layout, quant.w8a8_output_layer) or fbgemm's float16 GEMM (models/dense.packed_output_layer)
-    serves; anything else stays dense. Returns the int4 count."""
-    from augury.models import quant
+    """Swap in the native weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE), each
+    linear on the kernel its tensors' kinds take (models/native.py: Q4_0/Q4_1 as int4, Q4_K on w4a8's
+    float32 form, Q8_0/Q6_K/Q5_* on w8a8's general form, all in their exact values; int4 scales
+    rounded to `dtype`); an output layer not native runs on augury's w8a8 kernel (Q8_0's rule,
+    quant.w8a8_output_layer) or fbgemm's float16 GEMM (models/dense.packed_output_layer) where they
+    serve, and a Q8_0 one without them as int8 per channel; anything else stays dense, named in one
+    warning. Returns how many linears run natively."""
+    from augury.models import native, quant
 
     index = json.loads((folder / INT4_INDEX).read_text())
-    if index.get("format") != INT4_FORMAT or index.get("group_size") != quant.INT4_GROUP:
+    if index.get("format") not in quant.INT4_FORMATS or index.get("group_size") != quant.INT4_GROUP:
         raise ValueError(f"{folder / INT4_INDEX}: format {index.get('format')!r}, group {index.get('group_size')!r} "
                          f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
-    int4_names, sources = set(index.get("int4", [])), index.get("source_types", {})
+    kinds: dict[str, str] = index.get("kinds") or {n: "int4" for n in index.get("int4", [])}
+    sources = index.get("source_types", {})
     device = model.embed_tokens.weight.device
     shard = model.shard
     # a tensor-parallel rank reads its part of each source tensor (whole groups of 32 along the input)
     parts = {n: shard_part(n, model.full_cfg, shard) for names in fused_linears(model).values() for n in names} \
         if shard is not None else {}
-    count = 0
+    count, dense_left = 0, {}
     with safe_open(str(folder / INT4_FILE), framework="pt") as f:
+        stored = set(f.keys())
+
+        def read(n: str) -> dict[str, torch.Tensor]:
+            kind, part = kinds[n], parts.get(n)
+            out = {k: _read_part(f, f"{n}.{k}", part, per) for k, per in
+                   (("codes", 2 if kind in ("int4", "q4f") else 1), ("scale", quant.INT4_GROUP),
+                    ("zero", quant.INT4_GROUP), ("sub", quant.INT4_GROUP // 2)) if f"{n}.{k}" in stored}
+            if kind in ("int4", "q4f"):
+                out["codes"] = quant.unpack_codes(out["codes"])
+            return out
+
         for path, names in fused_linears(model).items():
             # tied and not yet given its own copy: the output layer reads the embedding
             dense = model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
             new: torch.nn.Module | None = None
             whole_groups = all(p is None or p[0] == 0 or (p[1] % quant.INT4_GROUP == 0 and p[2] % quant.INT4_GROUP == 0)
                                for p in (parts.get(n) for n in names))
-            if all(n in int4_names for n in names) and whole_groups:
-                codes = torch.cat([quant.unpack_codes(_read_part(f, n + ".codes", parts.get(n), 2)) for n in names])
-                scale = torch.cat([_read_part(f, n + ".scale", parts.get(n), quant.INT4_GROUP) for n in names])
-                zero = torch.cat([_read_part(f, n + ".zero", parts.get(n), quant.INT4_GROUP) for n in names])
-                if tuple(codes.shape) != tuple(dense.weight.shape):
-                    raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(codes.shape)}, "
+            part_kinds = [kinds.get(n, "dense") for n in names]
+            output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
+            if whole_groups and not output_q8 and native.plan(part_kinds) is not None:
+                blocks = [read(n) for n in names]
+                got = (sum(b["codes"].shape[0] for b in blocks), blocks[0]["codes"].shape[1])
+                if got != tuple(dense.weight.shape):
+                    raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(got)}, "
                                      f"expected {list(dense.weight.shape)}")
-                if codes.shape[0] % quant.INT4_N_MULTIPLE == 0:
-                    # packed where it runs, for the kernel the dtype and device choose
-                    new = quant.Int4Linear(codes, scale, zero, getattr(dense, "bias", None), dtype, device=device)
-                    count += 1
+                # packed where it runs, for the kernel the dtype and device choose
+                new = native.build(part_kinds, blocks, getattr(dense, "bias", None), dtype, device)
+                count += new is not None
+            elif output_q8 and whole_groups and part_kinds == ["q8g"] and \
+                    (exact := native.output_layer(read(names[0]), dtype, device)) is not None:
+                new = exact  # Q8_0 as it is; Q6_K / Q5_* requantised from their exact values
+                count += sources.get(names[0]) == "Q8_0"
             elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
                                         or packed_output_layer(dense, dtype, device)) is not None:
                 new = packed
@@ -271,6 +292,13 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
             if new is not None:
                 parent, _, attr = path.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, new.to(device))
+            elif any(sources.get(n, "F32") not in ("F32", "F16", "BF16") for n in names):
+                dense_left[path] = "/".join(sorted({sources.get(n, "?") for n in names}))
+    if dense_left:
+        why = "no native kernel for the type here" if dtype == torch.bfloat16 and device.type == "cpu" else \
+            f"native GGUF kernels run bfloat16 on the CPU, not {dtype} on {device.type}"
+        log.warning("GGUF linears running dense (%s): %s", why,
+                    ", ".join(f"{p} ({t})" for p, t in dense_left.items()))
     return count
 
 

@@ -39,7 +39,8 @@ MODES = ("none", "int8", "int4")
 # Native int4 weights a GGUF conversion writes beside the dense ones (models/gguf.py)
 INT4_FILE = "augury-int4.safetensors"
 INT4_INDEX = "augury-quant.json"
-INT4_FORMAT = "augury-int4-v1"
+INT4_FORMAT = "augury-int4-v2"  # v2: Q4_K ("q4f") and Q8_0 / Q6_K / Q5_* ("q8g") too (models/native.py)
+INT4_FORMATS = ("augury-int4-v1", INT4_FORMAT)  # v1 folders: Q4_0 / Q4_1 only
 INT4_GROUP = 32
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
@@ -296,10 +297,13 @@ class W8A8OutputLinear(KernelModule, nn.Module):
 
     kernel_devices = ("cpu",)
 
-    def __init__(self, weight: torch.Tensor, kernel: cpu_kernels.W8A8) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: cpu_kernels.W8A8,
+                 packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """weight [N, K] (quantised by Q8_0's rule), or its shape with `packed` (codes, scale) panels
+        already made (a GGUF Q8_0 tensor as it is: W8A8.pack_codes)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        codes, scale = kernel.pack(weight)
+        codes, scale = packed if packed is not None else kernel.pack(weight)
         self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 512] int8: panels of 16 columns
         self.register_buffer("scale", scale)  # [ceil(N / 16), K / 32, 16] float32
         self.bias = None

@@ -38,6 +38,7 @@
 #include "bf16.h"
 #include "elementwise.h"
 #include "w4a8.h"
+#include "w8a8.h"
 
 using augury::bf16_to_f32;
 using augury::f32_to_bf16;
@@ -45,10 +46,24 @@ using namespace augury::w4a8;
 
 namespace {
 
-// Fields of one layer's row in the pointer table (addresses; 0 for an absent bias; a dense projection
-// has its packed weights in the _C field and 0 in _S and _Z)
+// Fields of one layer's row in the pointer table: the two norms' weights and, per projection, its kind
+// and up to four addresses and its bias (0 where absent): dense bfloat16 panels (C), int4 on the w4a8
+// kernel with bfloat16 (C, S, Z: offset 8) or float32 scales and zeros (offset 0: Q4_K), int8 on the
+// w8a8 kernel's general form (C, S, optional Z and X: sub-scales per 16; Q8_0, Q6_K, Q5_*).
+enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3 };
+enum Part { P_KIND, P_C, P_S, P_Z, P_X, P_B, PART_FIELDS };
 enum Field {
-    LN1, QKV_C, QKV_S, QKV_Z, QKV_B, O_C, O_S, O_Z, O_B, LN2, GU_C, GU_S, GU_Z, GU_B, DN_C, DN_S, DN_Z, DN_B, NFIELD
+    LN1,
+    QKV = 1,
+    QKV_B = QKV + P_B,
+    O = QKV + PART_FIELDS,
+    O_B = O + P_B,
+    LN2 = O + PART_FIELDS,
+    GU = LN2 + 1,
+    GU_B = GU + P_B,
+    DN = GU + PART_FIELDS,
+    DN_B = DN + P_B,
+    NFIELD = DN + PART_FIELDS
 };
 
 template <class T>
@@ -108,19 +123,30 @@ struct Raw {
     }
 };
 
-// One projection of the rows x [T, K] (bfloat16) whose fields start at f: int4 on the w4a8 kernel
-// (codes, scale, zero, bias), or dense bfloat16 panels (bf16.h) when the scale field is 0 (packed
-// weights, 0, 0, bias). Worksharing loops: every thread of the region calls it.
+// One projection of the rows x [T, K] (bfloat16) whose fields start at f (Part's order), on the kernel
+// its kind names. Worksharing loops: every thread of the region calls it.
 template <class Store>
 inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Rounded &a, float *xf, int64_t N,
                     Store store, augury::Barrier &bar) {
-    const uint16_t *s = at<const uint16_t>(p, f + 1);
-    if (s) {
-        round_rows(x, true, T, a, bar);
-        columns(a, T, at<const uint8_t>(p, f), s, at<const uint16_t>(p, f + 2), N, store, bar);
-    } else {
-        augury::bf16::widen_rows(x, true, T, a.K, xf, bar);
-        augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f), N, store, bar);
+    switch (p[f + P_KIND]) {
+        case W4A8:
+            round_rows(x, true, T, a, bar);
+            columns(a, T, at<const uint8_t>(p, f + P_C), at<const uint16_t>(p, f + P_S), at<const uint16_t>(p, f + P_Z),
+                    N, store, bar);
+            break;
+        case W4F:
+            round_rows(x, true, T, a, bar);
+            columns(a, T, at<const uint8_t>(p, f + P_C), at<const float>(p, f + P_S), at<const float>(p, f + P_Z), N,
+                    store, bar);
+            break;
+        case W8G:
+            round_rows(x, true, T, a, bar);
+            augury::w8a8::columns(a, T, at<const int8_t>(p, f + P_C), at<const float>(p, f + P_S),
+                                  at<const float>(p, f + P_Z), at<const int8_t>(p, f + P_X), N, store, bar);
+            break;
+        default:
+            augury::bf16::widen_rows(x, true, T, a.K, xf, bar);
+            augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f + P_C), N, store, bar);
     }
 }
 
@@ -254,7 +280,7 @@ struct Stack {
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN1), true, eps, xn + t * H, true);
             bar.wait();
-            project(p, QKV_C, xn, T, aH, xf, NQKV, ToBf16{qkv, NQKV, qkv_b}, bar);
+            project(p, QKV, xn, T, aH, xf, NQKV, ToBf16{qkv, NQKV, qkv_b}, bar);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 const uint16_t *row = qkv + t * NQKV;
@@ -282,24 +308,24 @@ struct Stack {
                 bar.wait();
             }
             if (part)
-                project(p, O_C, att, T, aQ, xf, H, Raw{part, H}, bar);
+                project(p, O, att, T, aQ, xf, H, Raw{part, H}, bar);
             else
-                project(p, O_C, att, T, aQ, xf, H, AddRounded{h, H, o_b}, bar);
+                project(p, O, att, T, aQ, xf, H, AddRounded{h, H, o_b}, bar);
         } else {
             const uint16_t *gu_b = at<const uint16_t>(p, GU_B), *dn_b = at<const uint16_t>(p, DN_B);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::rmsnorm_row(h + t * H, H, at<const void>(p, LN2), true, eps, xn + t * H, true);
             bar.wait();
-            project(p, GU_C, xn, T, aH, xf, 2 * I, ToBf16{gu, 2 * I, gu_b}, bar);
+            project(p, GU, xn, T, aH, xf, 2 * I, ToBf16{gu, 2 * I, gu_b}, bar);
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++)
                 augury::silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, true, act + t * I);
             bar.wait();
             if (part) {
-                project(p, DN_C, act, T, aI, xf, H, Raw{part, H}, bar);
+                project(p, DN, act, T, aI, xf, H, Raw{part, H}, bar);
             } else {
-                project(p, DN_C, act, T, aI, xf, H, AddRounded{h, H, dn_b}, bar);
+                project(p, DN, act, T, aI, xf, H, AddRounded{h, H, dn_b}, bar);
                 write_aux(l);
             }
         }

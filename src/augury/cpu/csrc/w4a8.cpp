@@ -34,3 +34,17 @@ extern "C" int augury_w4a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                              [&](augury::Barrier &bar) { columns(a, M, codes, s, z, N, store, bar); });
     return 0;
 }
+
+// The same with float32 scales and zeros and codes taken as they are: y = x w^T, w = q s + z (GGUF's
+// Q4_K: s = d * sc, z = -dmin * m per group of 32, exact in float32; w4a8.h's code_offset). s and z
+// [N / 16, G, 16] float32. Returns 0, 1 for bad shapes, 2 when out of memory.
+extern "C" int augury_w4f_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
+                                 const float *s, const float *z, int64_t N, void *y, int y_bf16, int nthreads) {
+    if (K % GROUP || M < 0 || N < 0 || N % PANEL) return 1;
+    OwnedRounded a(M, K, K / GROUP);
+    if (!a.ok()) return 2;
+    const StoreY store{y, y_bf16 != 0, N};
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) { columns(a, M, codes, s, z, N, store, bar); });
+    return 0;
+}

@@ -79,6 +79,17 @@ constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
 using augury::prefetch_next;  // simd.h
 
+// Two storages of the scales and zeros, one kernel: bfloat16 with codes offset by 8 (w = (q - 8) s + z,
+// torch's int4 convention: Q4_0 / Q4_1 and augury's own int4), or float32 with codes taken as they
+// are (w = q s + z: GGUF's Q4_K, whose s = d * sc and z = -dmin * m are exact in float32, so the
+// weights are the format's values to the bit, no offset folded into z).
+template <class S>
+constexpr int code_offset = 8;
+template <>
+constexpr int code_offset<float> = 0;
+inline __m256 load_scale8(const uint16_t *p) { return load_bf16x8(p); }
+inline __m256 load_scale8(const float *p) { return _mm256_loadu_ps(p); }
+
 inline int32_t load_i32(const int8_t *p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -105,10 +116,12 @@ inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))), 16));
 }
+inline __m512 load_scale16(const uint16_t *p) { return load_bf16x16(p); }
+inline __m512 load_scale16(const float *p) { return _mm512_loadu_ps(p); }
 
 // one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c]
-template <int R>
-inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp,
+template <int R, class S>
+inline void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_t Gp,
                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[R];
@@ -119,7 +132,7 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
         // each column's sum starts at -8 xsum (the codes' offset of 8), so the dot products land on
         // dot_g - 8 xsum_g without a subtraction per row (the same integers: int32 sums are exact)
         __m512i ia[R];
-        for (int r = 0; r < R; r++) ia[r] = _mm512_set1_epi32(-8 * xsum[r * Gp + g]);
+        for (int r = 0; r < R; r++) ia[r] = _mm512_set1_epi32(-code_offset<S> * xsum[r * Gp + g]);
         for (int b = 0; b < 4; b++) {
             const __m512i v = _mm512_loadu_si512(blk + 64 * b);
             const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -129,7 +142,7 @@ inline void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int
                 ia[r] = dpbusd512(ia[r], hi, _mm512_set1_epi32(load_i32(xr + 4)));
             }
         }
-        const __m512 sv = load_bf16x16(ps + g * PANEL), zv = load_bf16x16(pz + g * PANEL);
+        const __m512 sv = load_scale16(ps + g * PANEL), zv = load_scale16(pz + g * PANEL);
         for (int r = 0; r < R; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(ia[r]);
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])), acc[r]);
@@ -166,9 +179,9 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 // pass per half of 8 columns, as before, spent more instructions per product: single-threaded, a
 // 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
 // at 1 row, 0.44 vs 0.33 at 4 and 8 rows (with W4_ROW_BLOCK_MAX's blocks). out[r * 16 + c]
-template <int R>
+template <int R, class S>
 __attribute__((noinline))  // compiled alone, whatever the caller: fewer spills
-void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G, int64_t Gp, const int8_t *xq,
+void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_t Gp, const int8_t *xq,
            const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc[R][2];
@@ -201,10 +214,10 @@ void panel(const uint8_t *pc, const uint16_t *ps, const uint16_t *pz, int64_t G,
                 }
             }
         }
-        const __m256 sv[2] = {load_bf16x8(ps + g * PANEL), load_bf16x8(ps + g * PANEL + 8)};
-        const __m256 zv[2] = {load_bf16x8(pz + g * PANEL), load_bf16x8(pz + g * PANEL + 8)};
+        const __m256 sv[2] = {load_scale8(ps + g * PANEL), load_scale8(ps + g * PANEL + 8)};
+        const __m256 zv[2] = {load_scale8(pz + g * PANEL), load_scale8(pz + g * PANEL + 8)};
         for (int r = 0; r < R; r++) {
-            const __m256i x8 = _mm256_set1_epi32(xsum[r * Gp + g] * 8);
+            const __m256i x8 = _mm256_set1_epi32(xsum[r * Gp + g] * code_offset<S>);
             const __m256 d = _mm256_set1_ps(dx[r * Gp + g]), x = _mm256_set1_ps(xs[r * Gp + g]);
             for (int h = 0; h < 2; h++) {
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -292,8 +305,8 @@ inline int block_rows(int64_t rest, int most = ROW_BLOCK_MAX) {
 // y[m, n] for every row and column (N a multiple of PANEL); store.row16(m, n0, v) receives y[m, n0 ..
 // n0 + 15] in float32 (no bias added), n0 a multiple of 16. Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
 // while its rows go by in register blocks (block_rows), ROW_TILE rows' activations staying in cache.
-template <class Store>
-inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *s, const uint16_t *z,
+template <class Store, class S>
+inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *s, const S *z,
                     int64_t N, Store store, augury::Barrier &bar) {
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
@@ -301,7 +314,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const uin
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * PANEL_BYTES;
-            const uint16_t *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
+            const S *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
             for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
                 r = block_rows(t1 - m0, W4_ROW_BLOCK_MAX);
                 float out[ROW_BLOCK_MAX * PANEL];

@@ -19,90 +19,9 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "w4a8.h"
+#include "w8a8.h"
 
-using namespace augury::w4a8;
-
-namespace {
-
-constexpr int W8_PANEL_BYTES = 512;
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-template <int R>
-inline void panel8(const int8_t *pw, const float *ps, int64_t G, int64_t Gp, const int8_t *xq, const float *dx,
-                   const int32_t *xsum, int64_t K, float *out) {
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const int8_t *blk = pw + g * W8_PANEL_BYTES;
-        prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
-        __m512i ia[R];
-        for (int r = 0; r < R; r++) ia[r] = _mm512_setzero_si512();
-        for (int b = 0; b < 8; b++) {
-            const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * b), bias);  // w + 128
-            for (int r = 0; r < R; r++)
-                ia[r] = _mm512_dpbusd_epi32(ia[r], u, _mm512_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)));
-        }
-        const __m512 sv = _mm512_loadu_ps(ps + g * PANEL);
-        for (int r = 0; r < R; r++) {
-            const __m512i dot = _mm512_sub_epi32(ia[r], _mm512_set1_epi32(xsum[r * Gp + g] * 128));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
-}
-#else
-template <int R>
-inline void panel8(const int8_t *pw, const float *ps, int64_t G, int64_t Gp, const int8_t *xq, const float *dx,
-                   const int32_t *xsum, int64_t K, float *out) {
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; g++) {
-            const int8_t *blk = pw + g * W8_PANEL_BYTES + 32 * h;
-            if (h == 0) prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
-            __m256i ia[R];
-            for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2  // unrolled whole, the compiler spilled the sums
-            for (int b = 0; b < 8; b++) {
-                const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-                const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
-                for (int r = 0; r < R; r++) {
-                    const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    ia[r] = _mm256_dpbusd_epi32(ia[r], u, x);
-#else
-                    ia[r] = _mm256_dpbusd_avx_epi32(ia[r], u, x);
-#endif
-                }
-#else
-                const __m256i aw = _mm256_sign_epi8(w, w);  // |w|
-                for (int r = 0; r < R; r++) {
-                    const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
-                    ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)),
-                                                                      _mm256_set1_epi16(1)));
-                }
-#endif
-            }
-            const __m256 sv = _mm256_loadu_ps(ps + g * PANEL + 8 * h);
-            for (int r = 0; r < R; r++) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-                const __m256i dot = _mm256_sub_epi32(ia[r], _mm256_set1_epi32(xsum[r * Gp + g] * 128));
-#else
-                const __m256i dot = ia[r];
-#endif
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * Gp + g])),
-                                         acc[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
-    }
-}
-#endif
-
-}  // namespace
+using namespace augury::w8a8;
 
 // y [M, N] float32 = x [M, K] w^T; x bfloat16 (flag 1) or float32 (0); the weights pack()'s panels
 // (ceil(N / 16) of them). Returns 0, 1 for bad shapes, 2 when out of memory.
@@ -127,15 +46,8 @@ extern "C" int augury_w8a8_linear(const void *x, int x_bf16, int64_t M, int64_t 
                     const int8_t *xr = a.xq + m0 * K;
                     const float *dr = a.dx + m0 * G;
                     const int32_t *ir = a.xsum + m0 * G;
-                    switch (r) {
-#define AUGURY_ROWS(n) \
-    case n: panel8<n>(pw, ps, G, G, xr, dr, ir, K, out); break;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-                        AUGURY_ROWS(8) AUGURY_ROWS(7)
-#endif
-                        AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
-#undef AUGURY_ROWS
-                    }
+                    panel_rows<false, false>(static_cast<int>(r), pw, ps, nullptr, nullptr, G, G, xr, dr, a.xs + m0 * G,
+                                             ir, K, out);
                     for (int64_t i = 0; i < r; i++)
                         for (int64_t c = 0; c < nc; c++) y[(m0 + i) * N + p * PANEL + c] = out[i * PANEL + c];
                 }
@@ -183,5 +95,20 @@ extern "C" int augury_w8a8_columns(const void *x, int x_bf16, int64_t M, int64_t
             y[i] = acc;
         }
     }
+    return 0;
+}
+
+// The general form (w8a8.h): y [M, N] = x [M, K] w^T with w = s sub q + z, z [P, G, 16] float32 and sub
+// [P, G, 32] int8 each optional (null), N a multiple of 16; y float32 or bfloat16 (flag 1), rounded once.
+// GGUF's Q8_0, Q6_K (d per super-block in s, the int8 scale per 16 in sub), Q5_0, Q5_1 and Q5_K in their
+// exact values (models/native.py). Returns 0, 1 for bad shapes, 2 when out of memory.
+extern "C" int augury_w8g_linear(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *w, const float *s,
+                                 const float *z, const int8_t *sub, int64_t N, void *y, int y_bf16, int nthreads) {
+    if (K % GROUP || M < 0 || N < 0 || N % PANEL) return 1;
+    OwnedRounded a(M, K, K / GROUP);
+    if (!a.ok()) return 2;
+    const StoreY store{y, y_bf16 != 0, N};
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) { columns(a, M, w, s, z, sub, N, store, bar); });
     return 0;
 }

@@ -1,0 +1,220 @@
+// The w8a8 kernel's panels (see w8a8.cpp for the maths), shared by w8a8.cpp and forward.cpp: int8
+// weights in panels of 16 columns, a float32 scale per column and group of 32 and, where the format has
+// them, an int8 sub-scale per column and half group (16 k: GGUF's Q6_K) and a float32 zero per column
+// and group (Q5_1, Q5_K; Q4_K where it shares a matrix with those):
+//
+//   w[n, k] = s[n, g] sub[n, k / 16] q[n, k] + z[n, g]   (sub 1 and z 0 where absent)
+//
+// Per column and group the integer part is exact: dot = sub_0 dot_0 + sub_1 dot_1 over the two halves
+// (|sub| <= 128, |dot_h| <= 16 * 128 * 127: within int32), then acc = fma(float(dot), s dx, acc) and,
+// with zeros, acc = fma(z, dx xsum, acc): the same float operations in the same order on every ISA and
+// whatever the rows beside it, so rows are row-count invariant and the ISA levels agree.
+#pragma once
+#include <immintrin.h>
+#include <cstdint>
+
+#include "w4a8.h"
+
+namespace augury {
+namespace w8a8 {
+
+using namespace augury::w4a8;
+
+constexpr int W8_PANEL_BYTES = 512;  // codes per panel and group: 8 blocks of 64, byte 4 c + j of block b
+                                     // = column c's weight at k = 32 g + 4 b + j
+constexpr int SUB_BYTES = 32;        // sub-scales per panel and group: [half 0: 16 columns, half 1: 16 columns]
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// one panel against R rows: out[r * 16 + c]. Without sub-scales each group's dot is (w + 128) x xq
+// - 128 xsum (vpdpbusd does not saturate); with them each half's is |w| x (xq carrying w's sign), so
+// no per-half activation sums are needed.
+template <int R, bool SUB, bool ZERO>
+inline void panel8(const int8_t *pw, const float *ps, const float *pz, const int8_t *psub, int64_t G, int64_t Gp,
+                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *blk = pw + g * W8_PANEL_BYTES;
+        prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
+        __m512i dot[R];
+        if constexpr (!SUB) {
+            for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+            for (int b = 0; b < 8; b++) {
+                const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * b), bias);  // w + 128
+                for (int r = 0; r < R; r++)
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)));
+            }
+            for (int r = 0; r < R; r++) dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(xsum[r * Gp + g] * 128));
+        } else {
+            const __m512i zero = _mm512_setzero_si512();
+            for (int half = 0; half < 2; half++) {
+                __m512i ih[R];
+                for (int r = 0; r < R; r++) ih[r] = _mm512_setzero_si512();
+                for (int b = 4 * half; b < 4 * half + 4; b++) {
+                    const __m512i w = _mm512_loadu_si512(blk + 64 * b);
+                    const __m512i aw = _mm512_abs_epi8(w);  // -128 -> 0x80, read as unsigned 128
+                    const __mmask64 neg = _mm512_movepi8_mask(w);
+                    for (int r = 0; r < R; r++) {
+                        const __m512i x = _mm512_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
+                        ih[r] = _mm512_dpbusd_epi32(ih[r], aw, _mm512_mask_sub_epi8(x, neg, zero, x));
+                    }
+                }
+                const __m512i sub = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half)));
+                for (int r = 0; r < R; r++) {
+                    const __m512i t = _mm512_mullo_epi32(ih[r], sub);
+                    dot[r] = half ? _mm512_add_epi32(dot[r], t) : t;
+                }
+            }
+        }
+        const __m512 sv = _mm512_loadu_ps(ps + g * PANEL);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])),
+                                     acc[r]);
+            if constexpr (ZERO) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(pz + g * PANEL), _mm512_set1_ps(xs[r * Gp + g]),
+                                                         acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
+}
+#else
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define AUGURY_VNNI256 1
+inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+#define AUGURY_VNNI256 0
+inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {  // |u| <= 128, |s| <= 127: pair sums fit int16
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+// one panel against R rows, a half of 8 columns at a time: out[r * 16 + c]
+template <int R, bool SUB, bool ZERO>
+inline void panel8(const int8_t *pw, const float *ps, const float *pz, const int8_t *psub, int64_t G, int64_t Gp,
+                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const int8_t *blk = pw + g * W8_PANEL_BYTES + 32 * h;
+            if (h == 0) prefetch_next(blk + G * W8_PANEL_BYTES, W8_PANEL_BYTES);
+            __m256i dot[R];
+            if constexpr (!SUB) {
+                for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // unrolled whole, the compiler spilled the sums
+                for (int b = 0; b < 8; b++) {
+                    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
+#if AUGURY_VNNI256
+                    const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
+                    for (int r = 0; r < R; r++)
+                        dot[r] = dpbusd8(dot[r], u, _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)));
+#else
+                    const __m256i aw = _mm256_sign_epi8(w, w);  // |w|
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
+                        dot[r] = dpbusd8(dot[r], aw, _mm256_sign_epi8(x, w));
+                    }
+#endif
+                }
+#if AUGURY_VNNI256
+                for (int r = 0; r < R; r++) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(xsum[r * Gp + g] * 128));
+#endif
+            } else {
+                for (int half = 0; half < 2; half++) {
+                    __m256i ih[R];
+                    for (int r = 0; r < R; r++) ih[r] = _mm256_setzero_si256();
+                    for (int b = 4 * half; b < 4 * half + 4; b++) {
+                        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b));
+                        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (-128 stays 0x80: 128 unsigned)
+                        for (int r = 0; r < R; r++) {
+                            const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
+                            ih[r] = dpbusd8(ih[r], aw, _mm256_sign_epi8(x, w));
+                        }
+                    }
+                    const __m256i sub = _mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half + 8 * h)));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i t = _mm256_mullo_epi32(ih[r], sub);
+                        dot[r] = half ? _mm256_add_epi32(dot[r], t) : t;
+                    }
+                }
+            }
+            const __m256 sv = _mm256_loadu_ps(ps + g * PANEL + 8 * h);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * Gp + g])),
+                                         acc[r]);
+                if constexpr (ZERO)
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(pz + g * PANEL + 8 * h), _mm256_set1_ps(xs[r * Gp + g]),
+                                             acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
+    }
+}
+#undef AUGURY_VNNI256
+#endif
+
+// One panel p's 16 columns for rows m0 .. m0 + r - 1 into out (r <= ROW_BLOCK_MAX), the variant
+// the format needs.
+template <bool SUB, bool ZERO>
+inline void panel_rows(int r, const int8_t *pw, const float *ps, const float *pz, const int8_t *psub, int64_t G,
+                       int64_t Gp, const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K,
+                       float *out) {
+    switch (r) {
+#define AUGURY_ROWS(n) \
+    case n: panel8<n, SUB, ZERO>(pw, ps, pz, psub, G, Gp, xq, dx, xs, xsum, K, out); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        AUGURY_ROWS(8) AUGURY_ROWS(7)
+#endif
+        AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+#undef AUGURY_ROWS
+    }
+}
+
+// y[m, n] for every row and column of a matrix of full panels (N a multiple of 16): store.row16(m, n0, v)
+// receives y[m, n0 .. n0 + 15] in float32 (no bias added). z and sub may be null (no zeros, sub-scales 1).
+// Threads split the panels; rows go by in register blocks (block_rows), ROW_TILE rows at a time.
+template <bool SUB, bool ZERO, class Store>
+inline void columns_as(const Rounded &a, int64_t M, const int8_t *codes, const float *s, const float *z,
+                       const int8_t *sub, int64_t N, Store store, augury::Barrier &bar) {
+    const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
+    for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
+        const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < P; p++) {
+            const int8_t *pw = codes + p * G * W8_PANEL_BYTES, *psub = SUB ? sub + p * G * SUB_BYTES : nullptr;
+            const float *ps = s + p * G * PANEL, *pz = ZERO ? z + p * G * PANEL : nullptr;
+            for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
+                r = block_rows(t1 - m0);
+                float out[ROW_BLOCK_MAX * PANEL];
+                panel_rows<SUB, ZERO>(static_cast<int>(r), pw, ps, pz, psub, G, Gp, a.xq + m0 * K, a.dx + m0 * Gp,
+                                      a.xs + m0 * Gp, a.xsum + m0 * Gp, K, out);
+                for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
+            }
+        }
+    }
+    bar.wait();
+}
+
+template <class Store>
+inline void columns(const Rounded &a, int64_t M, const int8_t *codes, const float *s, const float *z,
+                    const int8_t *sub, int64_t N, Store store, augury::Barrier &bar) {
+    if (sub && z)
+        columns_as<true, true>(a, M, codes, s, z, sub, N, store, bar);
+    else if (sub)
+        columns_as<true, false>(a, M, codes, s, z, sub, N, store, bar);
+    else if (z)
+        columns_as<false, true>(a, M, codes, s, z, sub, N, store, bar);
+    else
+        columns_as<false, false>(a, M, codes, s, z, sub, N, store, bar);
+}
+
+}  // namespace w8a8
+}  // namespace augury

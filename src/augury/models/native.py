@@ -1,0 +1,222 @@
+"""GGUF tensors run in their own formats' values (not dequantised): the linears and the plan.
+
+A GGUF conversion (models/gguf.py) writes each quantised tensor it can run natively to a side file
+in one of three kinds (models/gguf_blocks.py decodes the blocks):
+
+- "int4": Q4_0 / Q4_1, codes 0..15 with w = (q - 8) scale + zero (quant.Int4Linear, the w4a8 kernel
+  with bfloat16 scales: 5 bits a weight);
+- "q4f": Q4_K, codes 0..15 with w = q scale + zero, scale = d sc and zero = -dmin m per 32 in float32
+  (W4FLinear, the w4a8 kernel's float32 form: exact, 6 bits a weight);
+- "q8g": Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, int8 codes with w = scale sub q + zero, a float32 scale per
+  32, Q6_K's int8 scale per 16 as `sub` and Q5_1 / Q5_K's float32 zero per 32 (W8GLinear, the w8a8
+  kernel's general form: exact, 9-10.5 bits a weight).
+
+One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
+keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
+exactly: all int4 -> Int4Linear; int4 and q4f -> W4FLinear (Q4_0's zero -8d is exact; Q4_1's m + 8d
+was rounded once already); any q8g -> W8GLinear (4-bit codes are int8 codes too). A part with no
+native kind (an IQ type, F16, a shape the kernels cannot take) keeps the whole linear dense, and
+`load_native` names every such linear and its types in one start-up line.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from augury.cpu import kernels as cpu_kernels
+from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8OutputLinear, _QuantLinear
+
+log = logging.getLogger(__name__)
+
+KINDS = ("int4", "q4f", "q8g")
+# forward.cpp's projection kinds (its Kind enum)
+FUSED_W4F, FUSED_W8G = 2, 3
+
+
+class W4FLinear(_QuantLinear):
+    """4-bit codes with float32 scales and zeros per group of 32, w = q scale + zero (GGUF's Q4_K
+    exactly: scale = d sc, zero = -dmin m), on the w4a8 kernel's float32 form (bfloat16, CPU)."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """codes [N, K] integers 0..15; scale, zero [N, K / 32] float32 (their values are kept exactly)."""
+        kernel = cpu_kernels.w4a8()
+        n, k = codes.shape
+        if kernel is None or n % INT4_N_MULTIPLE or k % INT4_GROUP:
+            raise ValueError(f"W4FLinear needs augury's w4a8 kernel and a [N % 16, K % 32] shape, got [{n}, {k}]")
+        super().__init__(bias, torch.bfloat16, torch.device("cpu"))
+        self.out_features, self.in_features = n, k
+        c, s, z = kernel.pack(codes, scale, zero, torch.float32)
+        self.register_buffer("codes", c)  # [N/16, K/32, 256] uint8
+        self.register_buffer("scale", s)  # [N/16, K/32, 16] float32
+        self.register_buffer("zero", z)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] the kernel multiplies (before the activations' rounding)."""
+        codes, scale, zero = cpu_kernels.W4A8.unpack(self.codes, self.scale, self.zero)
+        n, k = codes.shape
+        q = codes.float().view(n, k // INT4_GROUP, INT4_GROUP)
+        return (q * scale[..., None] + zero[..., None]).view(n, k)
+
+    def scales_device(self) -> torch.device:
+        return self.scale.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernels.w4a8()
+        if kernel is None:
+            raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
+        return kernel.linear(x, self.codes, self.scale, self.zero)
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            return None
+        return [FUSED_W4F, self.codes.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), 0,
+                0 if b is None else b.data_ptr()]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", w4a8 float32 scales (Q4_K)"
+
+
+class W8GLinear(_QuantLinear):
+    """int8 codes, w = scale sub q + zero (a float32 scale per 32; an int8 sub-scale per 16 and a
+    float32 zero per 32 where given), on the w8a8 kernel's general form (bfloat16, CPU): GGUF's Q8_0,
+    Q6_K, Q5_0, Q5_1 and Q5_K in their exact values."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sub: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
+        kernel = cpu_kernels.w8a8()
+        n, k = codes.shape
+        if kernel is None or n % INT4_N_MULTIPLE or k % INT4_GROUP:
+            raise ValueError(f"W8GLinear needs augury's w8a8 kernel and a [N % 16, K % 32] shape, got [{n}, {k}]")
+        super().__init__(bias, torch.bfloat16, torch.device("cpu"))
+        self.out_features, self.in_features = n, k
+        c, s, z, x = kernel.pack_codes(codes, scale, zero, sub)
+        self.register_buffer("codes", c)  # [N/16, K/32, 512] int8
+        self.register_buffer("scale", s)  # [N/16, K/32, 16] float32
+        self.register_buffer("zero", z)  # [N/16, K/32, 16] float32 or None
+        self.register_buffer("sub", x)  # [N/16, K/32, 32] int8 or None
+
+    def dequantize(self) -> torch.Tensor:
+        codes, scale, zero, sub = cpu_kernels.W8A8.unpack_codes(self.codes, self.scale, self.zero, self.sub)
+        n, k = codes.shape
+        s = scale.float().repeat_interleave(INT4_GROUP, dim=1)
+        if sub is not None:
+            s = s * sub.float().repeat_interleave(INT4_GROUP // 2, dim=1)
+        w = s * codes.float()
+        return w if zero is None else w + zero.float().repeat_interleave(INT4_GROUP, dim=1)
+
+    def scales_device(self) -> torch.device:
+        return self.scale.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernels.w8a8()
+        if kernel is None:
+            raise RuntimeError("this linear was packed for augury's w8a8 kernel, which is unavailable now")
+        return kernel.linear_general(x, self.codes, self.scale, self.zero, self.sub)
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            return None
+        addr = [0 if t is None else t.data_ptr() for t in (self.codes, self.scale, self.zero, self.sub, b)]
+        return [FUSED_W8G, *addr]
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", w8a8 general (zero={self.zero is not None}, "
+                f"sub-scales={self.sub is not None})")
+
+
+Part = dict[str, torch.Tensor]
+
+
+def _as_q4f(kind: str, p: Part) -> Part:
+    if kind == "q4f":
+        return p
+    # int4: (q - 8) s + z = q s + (z - 8 s); Q4_0's z = 0 gives -8d exactly
+    scale = p["scale"].float()
+    return {"codes": p["codes"], "scale": scale, "zero": (p["zero"].double() - 8.0 * scale.double()).float()}
+
+
+def _as_q8g(kind: str, p: Part) -> Part:
+    if kind == "q8g":
+        return p
+    # 4-bit parts as int8 codes: int4's (q - 8) s + z as code q - 8 with zero z; q4f's as they are
+    codes = p["codes"].to(torch.int16) - (8 if kind == "int4" else 0)
+    return {"codes": codes.to(torch.int8), "scale": p["scale"].float(), "zero": p["zero"].float()}
+
+
+def plan(kinds: list[str]) -> str | None:
+    """The module kind for a linear whose row blocks are of `kinds` (None: one has no native kind)."""
+    if any(k not in KINDS for k in kinds):
+        return None
+    if all(k == "int4" for k in kinds):
+        return "int4"
+    return "q4f" if all(k in ("int4", "q4f") for k in kinds) else "q8g"
+
+
+def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype,
+          device: torch.device) -> torch.nn.Module | None:
+    """One linear from its row blocks (each a GGUF tensor's parts: codes [n_i, K] unpacked, scale,
+    zero, sub), or None where no kernel runs it here (the caller keeps it dense)."""
+    kind = plan(kinds)
+    n = sum(p["codes"].shape[0] for p in parts)
+    if kind is None or n % INT4_N_MULTIPLE:
+        return None
+    if kind == "int4":
+        cat = {k: torch.cat([p[k] for p in parts]) for k in ("codes", "scale", "zero")}
+        return Int4Linear(cat["codes"], cat["scale"], cat["zero"], bias, dtype, device=device)
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return None  # the float32 and general forms run in augury's CPU kernels, bfloat16 only
+    if kind == "q4f":
+        if cpu_kernels.w4a8() is None:
+            return None
+        q = [_as_q4f(k, p) for k, p in zip(kinds, parts)]
+        return W4FLinear(torch.cat([p["codes"] for p in q]), torch.cat([p["scale"] for p in q]),
+                         torch.cat([p["zero"] for p in q]), bias)
+    if cpu_kernels.w8a8() is None:
+        return None
+    q = [_as_q8g(k, p) for k, p in zip(kinds, parts)]
+    k_in = q[0]["codes"].shape[1]
+
+    def joined(key: str, width: int, fill: float, dt: torch.dtype) -> torch.Tensor | None:
+        if all(p.get(key) is None for p in q):
+            return None  # absent everywhere: the kernel's variant without it
+        return torch.cat([p[key].to(dt) if p.get(key) is not None else
+                          torch.full((p["codes"].shape[0], width), fill, dtype=dt) for p in q])
+
+    return W8GLinear(torch.cat([p["codes"] for p in q]), torch.cat([p["scale"].float() for p in q]),
+                     joined("zero", k_in // INT4_GROUP, 0.0, torch.float32), joined("sub", k_in // 16, 1, torch.int8),
+                     bias)
+
+
+def output_layer(part: Part, dtype: torch.dtype, device: torch.device) -> W8A8OutputLinear | None:
+    """The output layer from one q8g tensor on the w8a8 kernel (float32 logits, chosen columns for
+    grammars): a Q8_0 tensor's codes and scales as they are (exact), another type (Q6_K, Q5_*)
+    requantised by Q8_0's rule from its exact float32 values (the kernel has one scale per 32 and no
+    zero: within half a Q8_0 step of the format's values). None off the CPU, outside bfloat16 or
+    without the kernel."""
+    kernel = cpu_kernels.w8a8()
+    codes = part["codes"]
+    n, k = codes.shape
+    if kernel is None or dtype != torch.bfloat16 or device.type != "cpu" or k % INT4_GROUP:
+        return None
+    shape = torch.empty(n, k, device="meta")
+    if part.get("zero") is None and part.get("sub") is None:
+        pad = (-n) % INT4_N_MULTIPLE  # the panels hold whole 16s; the kernel never stores the padding
+        c = torch.cat([codes, codes.new_zeros(pad, k)]) if pad else codes
+        s = part["scale"].float()
+        s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
+        packed = kernel.pack_codes(c, s)[:2]
+        return W8A8OutputLinear(shape, kernel, packed)  # type: ignore[arg-type]
+    w = part["scale"].float().repeat_interleave(INT4_GROUP, dim=1)
+    if part.get("sub") is not None:
+        w = w * part["sub"].float().repeat_interleave(INT4_GROUP // 2, dim=1)
+    w = w * codes.float()
+    if part.get("zero") is not None:
+        w = w + part["zero"].float().repeat_interleave(INT4_GROUP, dim=1)
+    return W8A8OutputLinear(w, kernel)

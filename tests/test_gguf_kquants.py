@@ -1,0 +1,272 @@
+"""GGUF K-quants, Q8_0 and Q5_0/Q5_1 run natively (models/gguf_blocks.py, models/native.py).
+
+Each type's blocks (gguf-py's quantiser for the legacy types; random valid blocks, random bytes
+with sane float16 super-block scales, for the K-quants gguf-py cannot quantise) decode to exactly
+gguf-py's dequantised values, the kernels multiply those values (against activations rounded to
+int8 per group of 32, as every augury kernel) within float32 summation of a float64 reference,
+rows are row-count invariant and every ISA level this CPU has gives the AVX2 level's bits; a tiny
+model written as a Q4_K_M-like mix loads with every linear native and greedy speculative output
+equals plain greedy output.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from augury.cpu import build, isa
+from augury.cpu import kernels as cpu_kernels
+from augury.models import gguf_blocks, native
+from augury.models.quant import Int4Linear
+
+QT = gguf.GGMLQuantizationType
+TYPES = [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+# byte ranges of the float16 super-block scales (the rest of a K-quant block is valid whatever its bits)
+F16_FIELDS = {QT.Q4_K: [(0, 2), (2, 4)], QT.Q5_K: [(0, 2), (2, 4)], QT.Q6_K: [(208, 210)]}
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.w4a8() is None or cpu_kernels.w8a8() is None,
+                                   reason="augury's CPU kernels do not run here")
+
+
+def blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A [rows, cols] tensor of `qtype` as GGUF blocks, uint8 [rows, cols / block, block bytes]."""
+    rng = np.random.default_rng(seed)
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype not in F16_FIELDS:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).reshape(
+            rows, cols // per, size)
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for a, b in F16_FIELDS[qtype]:
+        raw[..., a:b] = rng.uniform(-0.05, 0.05, (rows, cols // per)).astype(np.float16)[..., None].view(np.uint8)
+    return raw
+
+
+def reference(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    rows = raw.shape[0]
+    return np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qtype), dtype=np.float32).reshape(rows, -1)
+
+
+def module(raw: np.ndarray, qtype: QT) -> torch.nn.Module:
+    kind, parts = gguf_blocks.decode(raw, qtype)
+    m = native.build([kind], [{k: torch.from_numpy(v) for k, v in parts.items()}], None, torch.bfloat16,
+                     torch.device("cpu"))
+    assert m is not None
+    return m
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it, float64: rounded to int8 per row and group of 32 (scale max|x| / 127)."""
+    m, k = x.shape
+    xf = x.float().view(m, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # a true division
+    return (torch.round(xf * inv).double() * (amax / 127.0).double()).view(m, k)
+
+
+def kernel_out(m: torch.nn.Module, x: torch.Tensor, kernels=None) -> torch.Tensor:
+    """The module's kernel in float32 (no output rounding), optionally another build's kernels (w4, w8)."""
+    w4, w8 = kernels or (cpu_kernels.w4a8(), cpu_kernels.w8a8())
+    if isinstance(m, native.W4FLinear):
+        return w4.linear(x, m.codes, m.scale, m.zero, out_dtype=torch.float32)
+    return w8.linear_general(x, m.codes, m.scale, m.zero, m.sub, out_dtype=torch.float32)
+
+
+def same_bits(a: np.ndarray | torch.Tensor, b: np.ndarray | torch.Tensor) -> bool:
+    a, b = torch.as_tensor(a).float().contiguous(), torch.as_tensor(b).float().contiguous()
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_decoded_values_are_gguf_py_dequantize_to_the_bit(qtype) -> None:
+    raw = blocks(qtype, 5, 512, seed=int(qtype))
+    want = reference(raw, qtype)
+    assert np.isfinite(want).all() and np.unique(want).size > 512  # not degenerate
+    kind, parts = gguf_blocks.decode(raw, qtype)
+    assert kind == ("q4f" if qtype == QT.Q4_K else "q8g")
+    assert same_bits(gguf_blocks.values(parts), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_native_linear_holds_the_values_and_its_kernel_multiplies_them(qtype) -> None:
+    raw = blocks(qtype, 48, 512, seed=3 + int(qtype))
+    want = reference(raw, qtype)
+    m = module(raw, qtype)
+    assert isinstance(m, native.W4FLinear if qtype == QT.Q4_K else native.W8GLinear)
+    assert same_bits(m.dequantize(), want)  # packed and unpacked: the format's values exactly
+    x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    x[2, :32] = 0.0  # an all-zero group
+    got = kernel_out(m, x).double()
+    xt = rounded_activations(x)
+    ref = xt @ torch.from_numpy(want).double().t()
+    # float32 sums of exact integer dot products, scaled: a few float32 steps of the terms' magnitude
+    tol = 2e-6 * (xt.abs() @ torch.from_numpy(want).double().abs().t()) + 1e-6
+    assert ((got - ref).abs() <= tol).all(), float((got - ref).abs().max())
+    # rows are row-count invariant: each alone, and in other groupings, gives the same bits
+    alone = torch.cat([kernel_out(m, x[i:i + 1]) for i in range(9)])
+    assert torch.equal(alone, got.float())
+    assert torch.equal(torch.cat([kernel_out(m, x[:5]), kernel_out(m, x[5:])]), got.float())
+    # the module's forward: the kernel's sum rounded once to bfloat16
+    assert torch.equal(m(x), got.float().to(torch.bfloat16))
+
+
+@needs_kernels
+def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
+    """q|k|v with q, k in Q4_K and v in Q6_K (a Q4_K_M layer): one W8GLinear holding every part's
+    values exactly; Q4_K with Q4_0 one W4FLinear; Q4_0 with Q4_1 the int4 linear as before."""
+    def parts(qtype: QT, rows: int, seed: int):
+        if qtype in (QT.Q4_0, QT.Q4_1):
+            from augury.models.gguf import _repack_q4
+
+            class T:  # what _repack_q4 reads of a reader's tensor
+                tensor_type = qtype
+                shape = np.array([256, rows])
+                data = gguf.quants.quantize(np.random.default_rng(seed).standard_normal((rows, 256)).astype(np.float32),
+                                            qtype)
+            p = _repack_q4(T)
+            from augury.models.quant import unpack_codes
+            return "int4", {**p, "codes": unpack_codes(p["codes"])}, reference(T.data.reshape(rows, 8, -1), qtype)
+        raw = blocks(qtype, rows, 256, seed)
+        kind, p = gguf_blocks.decode(raw, qtype)
+        p = {k: torch.from_numpy(v) for k, v in p.items()}
+        if kind == "q4f":
+            p["codes"] = p["codes"].to(torch.int32)
+        return kind, p, reference(raw, qtype)
+
+    cpu = torch.device("cpu")
+    mix = [parts(QT.Q4_K, 32, 1), parts(QT.Q4_K, 16, 2), parts(QT.Q6_K, 16, 3)]
+    m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
+    assert isinstance(m, native.W8GLinear) and m.sub is not None and m.zero is not None
+    # equal values (Q6_K's -0.0 becomes 0.0 once a zero of 0 is added: the same number to the kernel)
+    assert torch.equal(m.dequantize(), torch.from_numpy(np.concatenate([r for _, _, r in mix])))
+    mix = [parts(QT.Q4_K, 32, 4), parts(QT.Q4_0, 16, 5)]
+    m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
+    assert isinstance(m, native.W4FLinear)
+    assert torch.equal(m.dequantize(), torch.from_numpy(np.concatenate([r for _, _, r in mix])))
+    mix = [parts(QT.Q4_0, 16, 6), parts(QT.Q4_1, 16, 7)]
+    assert isinstance(native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu),
+                      Int4Linear)
+    assert native.build(["q4f", "dense"], [mix[0][1], mix[1][1]], None, torch.bfloat16, cpu) is None
+
+
+_LEVELS = [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)]
+
+
+@needs_kernels
+@pytest.mark.skipif(not _LEVELS, reason="this CPU runs only the avx2 level")
+def test_every_isa_level_gives_the_avx2_bits() -> None:
+    mods = [module(blocks(qt, 48, 512, seed=7 + i), qt) for i, qt in enumerate(TYPES)]
+    x = (torch.randn(13, 512, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    outs = {}
+    for lv in ("avx2", *_LEVELS):
+        ks = (cpu_kernels.W4A8(build.build("w4a8", lv)), cpu_kernels.W8A8(build.build("w8a8", lv)))
+        outs[lv] = [kernel_out(m, x[a:b], ks) for m in mods for a, b in ((0, 13), (0, 1), (1, 6))]
+    for lv in _LEVELS:
+        for a, b in zip(outs["avx2"], outs[lv]):
+            assert torch.equal(a, b), lv
+
+
+# ---- a whole model in a Q4_K_M-like mix --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kquant_folder(tmp_path_factory):
+    """A tiny llama (hidden 256: K-quant blocks are 256 wide) as a Q4_K_M file mixes types: Q4_K
+    everywhere, Q6_K for attn_v and ffn_down in layer 0 and for the output layer, Q5_K and Q8_0 and
+    Q5_0 / Q5_1 for layer 1's v, down, gate and up, so every kind and every mixed q|k|v occurs."""
+    import test_gguf
+
+    from augury.models.gguf import convert_gguf_to_hf
+
+    root = tmp_path_factory.mktemp("kquant")
+    model = test_gguf._wide_model()
+    with torch.no_grad():  # small weights: the random blocks' values replace them anyway
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    types = {"blk.0.attn_v": QT.Q6_K, "blk.0.ffn_down": QT.Q6_K, "output": QT.Q6_K, "token_embd": QT.Q8_0,
+             "blk.1.attn_v": QT.Q5_K, "blk.1.ffn_down": QT.Q8_0, "blk.1.ffn_gate": QT.Q5_0, "blk.1.ffn_up": QT.Q5_1}
+    real_add = gguf.GGUFWriter.add_tensor
+    count = [0]
+
+    def add_tensor(self, name, array, *args, raw_dtype=None, **kwargs):
+        if raw_dtype is None and array.ndim == 2 and array.dtype == np.float32:
+            qt = types.get(name.removesuffix(".weight"), QT.Q4_K)
+            count[0] += 1
+            raw = blocks(qt, *array.shape, seed=count[0])
+            if qt in F16_FIELDS:  # keep the random model's scale: d about 0.02 / 32 per step
+                for a, b in F16_FIELDS[qt]:
+                    f = raw[..., a:b].copy().view(np.float16) * np.float16(0.02)
+                    raw[..., a:b] = f.view(np.uint8)
+            else:
+                raw = gguf.quants.quantize(array * 0.5, qt).reshape(raw.shape)
+            return real_add(self, name, raw.reshape(array.shape[0], -1), raw_dtype=qt)
+        return real_add(self, name, array, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    try:
+        test_gguf._write_gguf(model, root / "mix.gguf", QT.F32)
+    finally:
+        mp.undo()
+    return convert_gguf_to_hf(root / "mix.gguf", root / "hf", dtype=torch.bfloat16)
+
+
+@needs_kernels
+def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, caplog) -> None:
+    from augury.models.fused import FusedStack
+    from augury.models.loader import load_target
+    from augury.models.quant import W8A8OutputLinear
+
+    with caplog.at_level("WARNING"):
+        model, _ = load_target(kquant_folder, torch.bfloat16, torch.device("cpu"), 64, quantization="auto")
+    assert not any("running dense" in r.getMessage() for r in caplog.records)
+    l0, l1 = model.layers
+    assert isinstance(l0.self_attn.qkv_proj, native.W8GLinear) and l0.self_attn.qkv_proj.sub is not None  # Q4_K + Q6_K
+    assert isinstance(l1.self_attn.qkv_proj, native.W8GLinear) and l1.self_attn.qkv_proj.sub is None  # Q4_K + Q5_K
+    assert isinstance(l0.mlp.gate_up_proj, native.W4FLinear) and isinstance(l0.self_attn.o_proj, native.W4FLinear)
+    assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
+    assert isinstance(l0.mlp.down_proj, native.W8GLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)
+    assert isinstance(model.lm_head, W8A8OutputLinear)
+    assert FusedStack.build(model) is not None  # the whole stack in one call, every kind in its table
+
+
+@needs_kernels
+def test_unsupported_types_run_dense_with_one_line(kquant_folder, tmp_path, caplog) -> None:
+    import json
+    import shutil
+
+    from augury.models.loader import load_target
+
+    folder = tmp_path / "hf"
+    shutil.copytree(kquant_folder, folder)
+    index = json.loads((folder / "augury-quant.json").read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    del index["kinds"][name]  # as an IQ type would be: no native kind
+    index["source_types"][name] = "IQ4_XS"
+    (folder / "augury-quant.json").write_text(json.dumps(index))
+    with caplog.at_level("WARNING"):
+        model, _ = load_target(folder, torch.bfloat16, torch.device("cpu"), 64, quantization="auto")
+    lines = [r.getMessage() for r in caplog.records if "running dense" in r.getMessage()]
+    assert len(lines) == 1 and "layers.1.mlp.down_proj (IQ4_XS)" in lines[0]
+    assert not isinstance(model.layers[1].mlp.down_proj, (native.W8GLinear, native.W4FLinear))
+
+
+@needs_kernels
+def test_greedy_speculative_equals_plain_on_the_mix(kquant_folder) -> None:
+    from augury import LLM, SamplingParams
+
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 17, 30)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (4 + 5 * i,), generator=g).tolist() for i in range(3)]
+    common = dict(dtype="bfloat16", quantization="auto", log_stats_interval=0)
+    plain = LLM(str(kquant_folder), speculative_algorithm="none", **common)
+    assert isinstance(plain.engine.model.layers[0].mlp.gate_up_proj, native.W4FLinear)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(str(kquant_folder), speculative_algorithm="ngram", **common)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert len({t for ids in want for t in ids}) > 3  # not a constant answer
