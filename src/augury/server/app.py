@@ -27,6 +27,7 @@ from augury.server.streams import GroupStreamingResponse, chat_events, collect, 
 from augury.structured.tools import parse_tool_calls
 
 MAX_BODY_BYTES = 16 * 2**20
+DISCARD_AT_MOST = 4 * MAX_BODY_BYTES  # of a body over the limit, read and dropped before the 413 (BodyLimit)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
@@ -76,6 +77,7 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit():
             if int(length) > self.limit:
+                await self._discard(receive, int(length))
                 return await self._refuse(scope, receive, send)
             return await self.app(scope, receive, send)
         parts: list[bytes] = []
@@ -87,6 +89,8 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > self.limit:
+                if message.get("more_body", False):
+                    await self._discard(receive, DISCARD_AT_MOST - seen)
                 return await self._refuse(scope, receive, send)
             if not message.get("more_body", False):
                 message = {"type": "http.request", "body": b"".join(parts), "more_body": False}
@@ -97,6 +101,18 @@ class BodyLimit:
             return replay.pop() if replay else await receive()
 
         return await self.app(scope, replayed_receive, send)
+
+    @staticmethod
+    async def _discard(receive, expected: int) -> None:
+        """Read and drop the rest of a refused body (nothing kept), up to DISCARD_AT_MOST bytes: a
+        client still uploading when the 413 and the close come gets a reset instead of the answer
+        (seen with httpx's async client). Beyond DISCARD_AT_MOST it is not worth the bandwidth."""
+        if expected > DISCARD_AT_MOST:
+            return
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
     async def _refuse(self, scope, receive, send) -> None:
         response = JSONResponse({"error": {"message": f"the request body is over {self.limit} bytes",
