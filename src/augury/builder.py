@@ -17,6 +17,7 @@ import torch
 from augury.attention import PagedBackend
 from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
+from augury.core.kv_budget import available_memory, plan_kv_cache
 from augury.core.kv_cache import BlockAllocator, KVCache
 from augury.core.stats import EngineStats
 from augury.cpu import threads as cpu_threads
@@ -122,26 +123,29 @@ def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: b
     with stage("KV cache", notify):
         bs = config.block_size
         local = model.cfg  # this rank's KV heads (all of them without tensor parallelism)
-        per_token = KVCache.bytes_per_token(tcfg.num_layers, local.num_kv_heads, tcfg.head_dim, dtype)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        per_token = KVCache.bytes_per_token(tcfg.num_layers, local.num_kv_heads, tcfg.head_dim, kv_dtype)
         if plan is not None:
             per_token += plan.kv_bytes_per_token()
+        # measured now, after the weights: what the cache may take (ranks on this machine share it)
+        available = available_memory(device.type, device.index)
+        if available is not None:
+            available //= max(1, config.tensor_parallel_size // config.nnodes)
         # every request may hold max_len tokens plus a draft tree past them (DRAFT_SLACK)
-        needed = config.max_num_seqs * -(-(max_len + DRAFT_SLACK) // bs) + 1
-        budget = int(config.kv_cache_memory_gb * 2**30) // (per_token * bs)
-        num_blocks = config.num_kv_blocks or max(2, min(needed, budget))
+        sized = plan_kv_cache(bytes_per_token=per_token, block_size=bs, max_num_seqs=config.max_num_seqs,
+                              model_len=max_len, len_given=config.max_model_len is not None,
+                              num_kv_blocks=config.num_kv_blocks, memory_gb=config.kv_cache_memory_gb,
+                              available_bytes=available, slack=DRAFT_SLACK, min_context=MIN_CONTEXT)
+        num_blocks, max_len = sized.num_blocks, sized.max_model_len
+        log.info("%s", sized.line(str(kv_dtype).removeprefix("torch.")))
         allocator = BlockAllocator(num_blocks, bs, enable_caching=config.enable_prefix_caching)
-        # a lone request must fit whole, its draft tree included
-        max_len = min(max_len, allocator.num_usable * bs - DRAFT_SLACK)
-        if max_len < MIN_CONTEXT:
-            raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) leaves a context of {max(max_len, 0)} "
-                             f"tokens (under {MIN_CONTEXT}); raise num_kv_blocks or kv_cache_memory_gb")
-        kv = KVCache(tcfg.num_layers, num_blocks, bs, local.num_kv_heads, tcfg.head_dim, dtype, device)
+        kv = KVCache(tcfg.num_layers, num_blocks, bs, local.num_kv_heads, tcfg.head_dim, kv_dtype, device)
         speculator = plan.build(num_blocks, bs, config.max_num_seqs, warming=warmup) if plan is not None else None
         attention = PagedBackend(kv.k, kv.v, bs)
         if ranks is not None:  # every rank sizes its cache alike; the engine drives them all from here
             kv, attention = ranks.attach(kv, attention, num_blocks, bs)
         engine = Engine(config, model, tcfg, kv, allocator, tokenizer, eos_ids(folder, tcfg.eos_token_ids, tokenizer),
-                        max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator)
+                        max_len, max_len - 1 + DRAFT_SLACK, device, attention, speculator, dtype=dtype, kv_plan=sized)
     try:
         # Optional stage: its documented fallback is eager execution, so a failure here warns
         # and start-up goes on with an engine that never depended on graphs.

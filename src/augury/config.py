@@ -35,6 +35,7 @@ ALGORITHMS = ("eagle3", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None  # None: sized automatically (core/kv_budget.py)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype
     seed: int = 0
     log_stats_interval: float = 10.0
     # weight-only quantisation of the linears: auto = the checkpoint's own (a GGUF's Q4 blocks run
@@ -134,9 +136,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) \
-                or not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be a positive number, got {self.kv_cache_memory_gb!r}")
+        gb = self.kv_cache_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be a positive number, got {gb!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.log_stats_interval, (int, float)) or not self.log_stats_interval >= 0:
@@ -219,15 +223,23 @@ OPTIONS: tuple[Option, ...] = (
            default_help="cuda when available, else cpu", metavar="DEVICE"),
     Option("threads", "--threads", int, "torch intra-op CPU threads", env="AUGURY_THREADS",
            default_help="torch's choice", metavar="N"),
-    Option("max_model_len", "--max-model-len", int, "longest prompt plus output, in tokens",
-           default_help="the model's context length", metavar="N"),
+    Option("max_model_len", "--max-model-len", int,
+           "longest prompt plus output, in tokens; more than the KV cache holds is an error at start-up",
+           default_help="the model's context length, lowered to what the KV cache holds (said at start-up)",
+           metavar="N"),
     Option("max_num_seqs", "--max-num-seqs", int, "most requests generating at once (continuous batching)",
            metavar="N"),
     Option("max_num_batched_tokens", "--max-num-batched-tokens", int,
            "most prompt tokens one engine step prefills; longer prompts are prefilled in chunks", metavar="N"),
     Option("kv_cache_memory_gb", "--kv-cache-memory-gb", float,
-           "memory for the KV cache, in GiB (the cache is smaller when the requests need less)",
-           env="AUGURY_KV_CACHE_GB", metavar="GB"),
+           "memory for the KV cache, in GiB (the cache is smaller when the requests need less); memory is "
+           "taken as the cache fills", env="AUGURY_KV_CACHE_GB",
+           default_help="room for 2 requests of the full context (or 256 MiB for a model whose contexts are "
+                        "small), at most half the memory available after the weights", metavar="GB"),
+    Option("kv_cache_dtype", "--kv-cache-dtype", str,
+           "dtype of the KV cache: auto (the model's), bfloat16, float16 or float32; keys and values are "
+           "converted as they are written (a float32 cache holds a bfloat16 model's exactly, at twice the "
+           "memory; a 16-bit cache halves a float32 model's)", metavar="DTYPE"),
     Option("num_kv_blocks", "--num-kv-blocks", int, "KV cache size in blocks; overrides --kv-cache-memory-gb",
            default_help="from --kv-cache-memory-gb", metavar="N"),
     Option("block_size", "--block-size", int, "tokens per KV cache block", metavar="N"),

@@ -297,17 +297,20 @@ class StepAttention:
         return self._fused_rows
 
     def _attend(self, q, k, v, mask, causal) -> torch.Tensor:
-        if self.compute_dtype is None:
+        # a cache of another dtype than the model's (--kv-cache-dtype): the wider of the two
+        c = self.compute_dtype or (torch.promote_types(q.dtype, k.dtype) if q.dtype != k.dtype else None)
+        if c is None:
             return attend(q, k, v, None, None, mask, causal)
-        c = self.compute_dtype  # upcasting is exact; the output rounds once, into q's dtype
+        # upcasting is exact; the output rounds once, into q's dtype
         return attend(q.to(c), k.to(c), v.to(c), None, None, mask, causal).to(q.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [B, Q, nh, hd]; k, v [B, Q, nkv, hd] -> [B, Q, nh*hd]
         b, ql, nkv, hd = k.shape
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k.reshape(b * ql, nkv, hd))
-        v_cache.index_copy_(0, self.slot_mapping, v.reshape(b * ql, nkv, hd))
+        # converted into the cache's dtype as written (a no-op when it is the model's)
+        k_cache.index_copy_(0, self.slot_mapping, k.reshape(b * ql, nkv, hd).to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.reshape(b * ql, nkv, hd).to(v_cache.dtype))
         if self.exact is not None:
             return self._attend_exact(q, k_cache, v_cache).view(b, ql, -1)
         meta = self.masked
@@ -316,6 +319,8 @@ class StepAttention:
             flat, n_keys = meta.kv_index.view(-1), meta.kv_index.shape[1]
             k = k_cache.index_select(0, flat).view(b, n_keys, nkv, hd)  # [B, C+Q, nkv, hd]
             v = v_cache.index_select(0, flat).view(b, n_keys, nkv, hd)
+        else:  # the new keys alone: read as stored, so that every path sees the cache's values
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         return self._attend(q, k, v, meta.mask, meta.causal)
 
     def _attend_exact(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

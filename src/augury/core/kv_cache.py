@@ -6,6 +6,8 @@ reserved: padding tokens write there, so it is never handed to a request.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -149,14 +151,36 @@ class BlockAllocator:
         del self._tokens_of[block]
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is taken only as it is written, on a CPU.
+
+    The attention paths read slots no request wrote, with zero weight: block 0's padding slots and,
+    in the masked path, positions past a shorter request's context. Zero weight does not make
+    garbage harmless (0 * NaN is NaN), so the cache must hold finite values everywhere, and zeros
+    filled page by page would make the whole nominal size resident at start. An anonymous private
+    mapping is zero by the kernel's guarantee, and a page becomes resident only when first written
+    (reads map the shared zero page): the cache's resident size grows with the traffic's high-water
+    mark, never past it (freed blocks are handed out again first). Elsewhere: torch.zeros."""
+    if torch.device(device).type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # (no such mapping on Windows)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps `buf` alive
+
+
 class KVCache:
-    """K and V storage [layers, slots, kv_heads, head_dim] for one model."""
+    """K and V storage [layers, slots, kv_heads, head_dim] for one model (lazy_zeros: memory is taken
+    as slots are written). `dtype` is the cache's, which may differ from the model's (--kv-cache-dtype):
+    keys and values are converted as they are written, and attention reads them in place."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -199,7 +199,7 @@ class Ranks:
         """Size every rank's cache and give the engine rank 0's stand-ins: (kv, attention)."""
         from augury.distributed.runner import ReplayedBackend, ShardedKV
 
-        self.group.send(("setup", num_blocks, block_size))
+        self.group.send(("setup", num_blocks, block_size, str(kv.k.dtype).removeprefix("torch.")))
         self.serving = True
         return ShardedKV(kv, self.group), ReplayedBackend(attention)
 

@@ -147,7 +147,7 @@ class ShardedTarget(nn.Module):
 def serve_commands(group: Group, model: nn.Module, make_cache) -> None:
     """Ranks other than 0: run rank 0's commands on this shard until it says stop.
 
-    make_cache(num_blocks, block_size) -> (kv cache, attention backend), once rank 0 has sized them."""
+    make_cache(num_blocks, block_size, kv_dtype) -> (kv cache, attention backend), once rank 0 has sized them."""
     kv = backend = None
     device = model.embed_tokens.weight.device
     with torch.inference_mode():
@@ -163,7 +163,7 @@ def serve_commands(group: Group, model: nn.Module, make_cache) -> None:
             elif kind == "copy":
                 kv.copy_slots(command[1].to(device), command[2].to(device))
             elif kind == "setup":
-                kv, backend = make_cache(command[1], command[2])
+                kv, backend = make_cache(command[1], command[2], command[3])
             elif kind == "stop":
                 return
             else:

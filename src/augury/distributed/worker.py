@@ -111,9 +111,9 @@ def run_rank(rank: int, size: int, nnodes: int, host: str, port: int, folder: Pa
         return 1
     store.set(STATUS.format(rank), "ok")
 
-    def make_cache(num_blocks: int, block_size: int):
-        kv = KVCache(cfg.num_layers, num_blocks, block_size, model.cfg.num_kv_heads, model.cfg.head_dim, dtype,
-                     device)
+    def make_cache(num_blocks: int, block_size: int, kv_dtype: str):  # rank 0's sizes and dtype (--kv-cache-dtype)
+        kv = KVCache(cfg.num_layers, num_blocks, block_size, model.cfg.num_kv_heads, model.cfg.head_dim,
+                     getattr(torch, kv_dtype), device)
         return kv, PagedBackend(kv.k, kv.v, block_size)
 
     from augury.distributed.runner import serve_commands

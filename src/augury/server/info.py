@@ -64,6 +64,9 @@ class ServerInfo:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "max_model_len": engine.max_model_len,
             "num_kv_blocks": engine.allocator.num_blocks,
+            # its size in tokens, bytes and dtype, and what sized it (core/kv_budget.py)
+            "kv_cache": None if engine.kv_plan is None else engine.kv_plan.describe(
+                str(engine.kv.k.dtype).removeprefix("torch.")),
             "block_size": engine.allocator.block_size,
             "vocab_size": engine.model_cfg.vocab_size,
             "model_family": engine.model_cfg.family,
