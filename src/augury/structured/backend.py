@@ -67,6 +67,34 @@ def _ebnf_literal(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+def constraint_format(spec: StructuredOutputsParams) -> dict:
+    """The constraint as a structural-tag format (xgrammar), the same language GrammarBackend.compile
+    makes of it, to be placed inside a larger structural tag (after a reasoning block:
+    reasoning.after_reasoning). ValueError naming the constraint when xgrammar refuses it."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema, strict = ((spec.json if isinstance(spec.json, dict) else {}), True) if kind == "json" \
+                else ({"type": "object"}, False)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(bounded_strings(schema)), strict_mode=strict,
+                                                   any_whitespace=not spec.disable_any_whitespace)
+            return {"type": "grammar", "grammar": str(grammar)}
+        if kind == "regex":
+            return {"type": "grammar", "grammar": str(xgr.Grammar.from_regex(spec.regex))}
+        if kind == "choice":
+            return {"type": "grammar", "grammar": "root ::= " + " | ".join(_ebnf_literal(x) for x in spec.choice)}
+        if kind == "grammar":
+            return {"type": "grammar", "grammar": str(xgr.Grammar.from_ebnf(spec.grammar))}
+        tag = json.loads(spec.structural_tag)
+        if not isinstance(tag, dict) or not isinstance(tag.get("format"), dict):
+            raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
+        return tag["format"]
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {clean_error(e)}") from None
+
+
 class GrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int] | list[int],
                  cache_bytes: int = CACHE_BYTES) -> None:
