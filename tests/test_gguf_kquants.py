@@ -69,6 +69,8 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 def kernel_out(m: torch.nn.Module, x: torch.Tensor, kernels=None) -> torch.Tensor:
     """The module's kernel in float32 (no output rounding), optionally another build's kernels (w4, w8)."""
     w4, w8 = kernels or (cpu_kernels.w4a8(), cpu_kernels.w8a8())
+    if isinstance(m, native.W4KLinear):
+        return w4.linear_k(x, m.codes, m.sm, m.dd, out_dtype=torch.float32)
     if isinstance(m, native.W4FLinear):
         return w4.linear(x, m.codes, m.scale, m.zero, out_dtype=torch.float32)
     return w8.linear_general(x, m.codes, m.scale, m.zero, m.sub, out_dtype=torch.float32)
@@ -85,7 +87,7 @@ def test_decoded_values_are_gguf_py_dequantize_to_the_bit(qtype) -> None:
     want = reference(raw, qtype)
     assert np.isfinite(want).all() and np.unique(want).size > 512  # not degenerate
     kind, parts = gguf_blocks.decode(raw, qtype)
-    assert kind == ("q4f" if qtype == QT.Q4_K else "q8g")
+    assert kind == ("q4k" if qtype == QT.Q4_K else "q8g")
     assert same_bits(gguf_blocks.values(parts), want)
 
 
@@ -95,7 +97,7 @@ def test_native_linear_holds_the_values_and_its_kernel_multiplies_them(qtype) ->
     raw = blocks(qtype, 48, 512, seed=3 + int(qtype))
     want = reference(raw, qtype)
     m = module(raw, qtype)
-    assert isinstance(m, native.W4FLinear if qtype == QT.Q4_K else native.W8GLinear)
+    assert isinstance(m, native.W4KLinear if qtype == QT.Q4_K else native.W8GLinear)
     assert same_bits(m.dequantize(), want)  # packed and unpacked: the format's values exactly
     x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
     x[2, :32] = 0.0  # an all-zero group
@@ -132,8 +134,6 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
         raw = blocks(qtype, rows, 256, seed)
         kind, p = gguf_blocks.decode(raw, qtype)
         p = {k: torch.from_numpy(v) for k, v in p.items()}
-        if kind == "q4f":
-            p["codes"] = p["codes"].to(torch.int32)
         return kind, p, reference(raw, qtype)
 
     cpu = torch.device("cpu")
@@ -142,6 +142,10 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
     assert isinstance(m, native.W8GLinear) and m.sub is not None and m.zero is not None
     # equal values (Q6_K's -0.0 becomes 0.0 once a zero of 0 is added: the same number to the kernel)
     assert torch.equal(m.dequantize(), torch.from_numpy(np.concatenate([r for _, _, r in mix])))
+    mix = [parts(QT.Q4_K, 32, 4), parts(QT.Q4_K, 16, 8)]
+    m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
+    assert isinstance(m, native.W4KLinear)
+    assert same_bits(m.dequantize(), np.concatenate([r for _, _, r in mix]))
     mix = [parts(QT.Q4_K, 32, 4), parts(QT.Q4_0, 16, 5)]
     m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
     assert isinstance(m, native.W4FLinear)
@@ -149,7 +153,23 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
     mix = [parts(QT.Q4_0, 16, 6), parts(QT.Q4_1, 16, 7)]
     assert isinstance(native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu),
                       Int4Linear)
-    assert native.build(["q4f", "dense"], [mix[0][1], mix[1][1]], None, torch.bfloat16, cpu) is None
+    assert native.build(["int4", "dense"], [mix[0][1], mix[1][1]], None, torch.bfloat16, cpu) is None
+
+
+@needs_kernels
+def test_q4_k_in_its_own_scales_gives_the_float32_forms_bits() -> None:
+    """W4KLinear computes d sc and -dmin m in the kernel; W4FLinear reads them precomputed in float32:
+    the same numbers, so the same bits, at 4.625 against 6 bits a weight."""
+    kind, p = gguf_blocks.decode(blocks(QT.Q4_K, 64, 768, seed=11), QT.Q4_K)
+    p = {k: torch.from_numpy(v) for k, v in p.items()}
+    k4 = native.build([kind], [p], None, torch.bfloat16, torch.device("cpu"))
+    f4 = native.build(["q4k", "int4"], [p, {"codes": torch.zeros(16, 768, dtype=torch.int32),
+                                           "scale": torch.ones(16, 24), "zero": torch.zeros(16, 24)}],
+                      None, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(k4, native.W4KLinear) and isinstance(f4, native.W4FLinear)
+    assert sum(t.numel() * t.element_size() for t in k4.buffers()) * 8 / (64 * 768) == 4.625
+    x = (torch.randn(7, 768, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    assert torch.equal(kernel_out(k4, x), kernel_out(f4, x)[:, :64])
 
 
 _LEVELS = [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)]
@@ -227,7 +247,7 @@ def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, 
     l0, l1 = model.layers
     assert isinstance(l0.self_attn.qkv_proj, native.W8GLinear) and l0.self_attn.qkv_proj.sub is not None  # Q4_K + Q6_K
     assert isinstance(l1.self_attn.qkv_proj, native.W8GLinear) and l1.self_attn.qkv_proj.sub is None  # Q4_K + Q5_K
-    assert isinstance(l0.mlp.gate_up_proj, native.W4FLinear) and isinstance(l0.self_attn.o_proj, native.W4FLinear)
+    assert isinstance(l0.mlp.gate_up_proj, native.W4KLinear) and isinstance(l0.self_attn.o_proj, native.W4KLinear)
     assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
     assert isinstance(l0.mlp.down_proj, native.W8GLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)
     assert isinstance(model.lm_head, W8A8OutputLinear)
@@ -264,7 +284,7 @@ def test_greedy_speculative_equals_plain_on_the_mix(kquant_folder) -> None:
     prompts = [torch.randint(3, 250, (4 + 5 * i,), generator=g).tolist() for i in range(3)]
     common = dict(dtype="bfloat16", quantization="auto", log_stats_interval=0)
     plain = LLM(str(kquant_folder), speculative_algorithm="none", **common)
-    assert isinstance(plain.engine.model.layers[0].mlp.gate_up_proj, native.W4FLinear)
+    assert isinstance(plain.engine.model.layers[0].mlp.gate_up_proj, native.W4KLinear)
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM(str(kquant_folder), speculative_algorithm="ngram", **common)
     got = spec.generate(prompts, params, use_tqdm=False)

@@ -101,6 +101,7 @@ class W4A8:
                          [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
         self._fn_f32 = _bind(self._lib, "augury_w4f_linear",
                              [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
+        self._fn_k = _bind(self._lib, "augury_w4k_linear", [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -125,6 +126,61 @@ class W4A8:
             return t.to(dtype).reshape(p, PANEL, g).transpose(1, 2).contiguous()
 
         return nib, panels(scale), panels(zero)
+
+    @staticmethod
+    def pack_k(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
+               m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """GGUF Q4_K in its own scales: codes [N, K] 0..15, d / dmin [N, K / 256] float16, sc / m [N, K / 32]
+        integers 0..63 (w = d sc q - dmin m) -> (codes [N / 16, G, 256] uint8 as pack()'s, sm [N / 16, G, 32]
+        uint8: the panel's 16 sc then its 16 m, dd [N / 16, G / 8, 32] float16: 16 d then 16 dmin)."""
+        n, k = codes.shape
+        if k % (8 * GROUP) or n % PANEL:
+            raise ValueError(f"Q4_K needs in_features % 256 == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
+        g, p = k // GROUP, n // PANEL
+        nib = W4A8.pack(codes, torch.zeros(n, g), torch.zeros(n, g))[0]
+
+        def pair(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tensor:
+            # [N, groups] twice -> [P, groups, 32]: per panel and group the 16 columns of a, then of b
+            t = torch.stack([a.to(dtype).reshape(p, PANEL, groups), b.to(dtype).reshape(p, PANEL, groups)], 1)
+            return t.permute(0, 3, 1, 2).reshape(p, groups, 2 * PANEL).contiguous()
+
+        return nib, pair(sc, m, torch.uint8, g), pair(d, dmin, torch.float16, g // 8)
+
+    @staticmethod
+    def unpack_k(codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """pack_k()'s inverse: (codes [N, K], d [N, K / 256], dmin, sc [N, K / 32], m)."""
+        p, g, _ = codes.shape
+        c = W4A8.unpack(codes, torch.zeros(p, g, PANEL), torch.zeros(p, g, PANEL))[0]
+
+        def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            u = t.view(p, t.shape[1], 2, PANEL).permute(2, 0, 3, 1).reshape(2, p * PANEL, t.shape[1])
+            return u[0], u[1]
+
+        (sc, m), (d, dmin) = split(sm), split(dd)
+        return c, d, dmin, sc, m
+
+    def linear_k(self, x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: Q4_K in its
+        own scales (pack_k's panels), the bits linear() gives the same weights with float32 scales."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
+        p, g, _ = codes.shape
+        if k != g * GROUP or g % 8:
+            raise ValueError(f"w4a8 (Q4_K): input has {k} features, the weights {g * GROUP} (a multiple of 256)")
+        _expect("w4a8", "sc and m", sm, (torch.uint8,), (p, g, 2 * PANEL))
+        _expect("w4a8", "d and dmin", dd, (torch.float16,), (p, g // 8, 2 * PANEL))
+        out_dtype = out_dtype or x.dtype
+        y = torch.empty(m, p * PANEL, dtype=out_dtype)
+        rc = self._fn_k(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), sm.data_ptr(),
+                        dd.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+        if rc:
+            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
 
     @staticmethod
     def unpack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -154,7 +210,10 @@ class W4A8:
         if k != g * GROUP:
             raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
         _expect("w4a8", "scale", scale, (torch.bfloat16, torch.float32), (p, g, PANEL))
-        _expect("w4a8", "zero", zero, (scale.dtype,), (p, g, PANEL))
+        _expect("w4a8", "zero", zero, (torch.bfloat16, torch.float32), (p, g, PANEL))
+        if zero.dtype != scale.dtype:
+            raise ValueError(f"w4a8: scale ({scale.dtype}) and zero ({zero.dtype}) must be both bfloat16 "
+                             f"(w = (q - 8) s + z) or both float32 (w = q s + z)")
         out_dtype = out_dtype or x.dtype
         n = p * PANEL
         y = torch.empty(m, n, dtype=out_dtype)

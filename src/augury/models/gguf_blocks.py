@@ -6,7 +6,8 @@ the weight is a run of blocks), and returns its values as
     w[n, k] = scale[n, k // 32] * sub[n, k // 16] * codes[n, k] + zero[n, k // 32]
 
 with codes int8 [N, K] (or 0..15 for the 4-bit kinds), scale and zero float32 [N, K / 32], sub int8
-[N, K / 16]; zero and sub None where the format has none (0 and 1). Every product is exact in
+[N, K / 16]; zero and sub None where the format has none (0 and 1). Q4_K keeps its own scales
+instead: d and dmin float16 [N, K / 256], sc and m uint8 [N, K / 32], w = d sc q - dmin m. Every product is exact in
 float32 (an f16 d times a 6-bit or int8 scale times a code of at most 6 bits needs at most 24
 significant bits) and the zero is added once, so these are gguf-py's `dequantize` values to the
 bit (tests/test_gguf_kquants.py). Layouts as ggml defines them (ggml-common.h's block_q*):
@@ -69,13 +70,24 @@ def q5_1(blocks: np.ndarray) -> Parts:
     return {"codes": q.reshape(n, -1), "scale": _f16(blocks[..., 0:2]), "zero": _f16(blocks[..., 2:4])}
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: (scale d sc, zero -dmin m) float32 [N, B * 8], exact."""
+def _k_own_scales(blocks: np.ndarray) -> Parts:
+    """Q4_K / Q5_K super-block scales: d, dmin float16 [N, B]; sc, m uint8 [N, B * 8] (6-bit)."""
     n, b = blocks.shape[:2]
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [N, B]
     sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(n * b, 12))
-    sc, m = sc.reshape(n, b, 8).astype(np.float32), m.reshape(n, b, 8).astype(np.float32)
-    return (d[..., None] * sc).reshape(n, -1), -(dmin[..., None] * m).reshape(n, -1)
+    half = lambda f: np.ascontiguousarray(f).view(np.float16)[..., 0]  # noqa: E731
+    return {"d": half(blocks[..., 0:2]), "dmin": half(blocks[..., 2:4]), "sc": sc.reshape(n, -1).astype(np.uint8),
+            "m": m.reshape(n, -1).astype(np.uint8)}
+
+
+def k_scales(p: Parts) -> tuple[np.ndarray, np.ndarray]:
+    """(scale d sc, zero -dmin m) float32 [N, K / 32] of Q4_K / Q5_K scales, exact (an 11-bit
+    significand times a 6-bit integer)."""
+    d, dmin = (np.repeat(p[k].astype(np.float32), 8, axis=1) for k in ("d", "dmin"))
+    return d * p["sc"].astype(np.float32), -(dmin * p["m"].astype(np.float32))
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return k_scales(_k_own_scales(blocks))
 
 
 def _k_low(qs: np.ndarray) -> np.ndarray:
@@ -88,8 +100,7 @@ def _k_low(qs: np.ndarray) -> np.ndarray:
 
 def q4_k(blocks: np.ndarray) -> Parts:
     n = blocks.shape[0]
-    scale, zero = _k_scales(blocks)
-    return {"codes": _k_low(blocks[..., 16:144]).reshape(n, -1), "scale": scale, "zero": zero}
+    return {"codes": _k_low(blocks[..., 16:144]).reshape(n, -1), **_k_own_scales(blocks)}
 
 
 def q5_k(blocks: np.ndarray) -> Parts:
@@ -113,13 +124,13 @@ def q6_k(blocks: np.ndarray) -> Parts:
     return {"codes": q.reshape(n, -1), "scale": _per_group(d, 8), "sub": sub}
 
 
-# type -> (decoder, kind): "q4f" (4-bit codes 0..15, w4a8's float32 form) or "q8g" (int8 codes, the
-# w8a8 kernel's general form); models/native.py runs them.
+# type -> (decoder, kind): "q4k" (4-bit codes 0..15 with Q4_K's own scales, w4a8's super-block form)
+# or "q8g" (int8 codes, the w8a8 kernel's general form); models/native.py runs them.
 DECODERS = {
     _T.Q8_0: (q8_0, "q8g"),
     _T.Q5_0: (q5_0, "q8g"),
     _T.Q5_1: (q5_1, "q8g"),
-    _T.Q4_K: (q4_k, "q4f"),
+    _T.Q4_K: (q4_k, "q4k"),
     _T.Q5_K: (q5_k, "q8g"),
     _T.Q6_K: (q6_k, "q8g"),
 }
@@ -130,13 +141,16 @@ def decode(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[str, P
     fn, kind = DECODERS[qtype]
     parts = fn(blocks)
     out = {k: np.ascontiguousarray(v) for k, v in parts.items()}
-    out["codes"] = out["codes"].astype(np.uint8 if kind == "q4f" else np.int8)
+    out["codes"] = out["codes"].astype(np.uint8 if kind == "q4k" else np.int8)
     return kind, out
 
 
 def values(parts: Parts) -> np.ndarray:
     """The float32 weights the parts stand for, [N, K] (as the kernels see them; tests compare them
     with gguf-py's dequantize)."""
+    if "d" in parts:  # Q4_K's own scales
+        scale, zero = k_scales(parts)
+        parts = {"codes": parts["codes"], "scale": scale, "zero": zero}
     codes = parts["codes"].astype(np.float32)
     n, k = codes.shape
     sub = parts.get("sub")

@@ -232,7 +232,7 @@ def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
 def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> int:
     """Swap in the native weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE), each
     linear on the kernel its tensors' kinds take (models/native.py: Q4_0/Q4_1 as int4, Q4_K on w4a8's
-    float32 form, Q8_0/Q6_K/Q5_* on w8a8's general form, all in their exact values; int4 scales
+    super-block form, Q8_0/Q6_K/Q5_* on w8a8's general form, all in their exact values; int4 scales
     rounded to `dtype`); an output layer not native runs on augury's w8a8 kernel (Q8_0's rule,
     quant.w8a8_output_layer) or fbgemm's float16 GEMM (models/dense.packed_output_layer) where they
     serve, and a Q8_0 one without them as int8 per channel; anything else stays dense, named in one
@@ -256,10 +256,11 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
 
         def read(n: str) -> dict[str, torch.Tensor]:
             kind, part = kinds[n], parts.get(n)
+            g = quant.INT4_GROUP
             out = {k: _read_part(f, f"{n}.{k}", part, per) for k, per in
-                   (("codes", 2 if kind in ("int4", "q4f") else 1), ("scale", quant.INT4_GROUP),
-                    ("zero", quant.INT4_GROUP), ("sub", quant.INT4_GROUP // 2)) if f"{n}.{k}" in stored}
-            if kind in ("int4", "q4f"):
+                   (("codes", 2 if kind in ("int4", "q4k") else 1), ("scale", g), ("zero", g), ("sub", g // 2),
+                    ("d", 8 * g), ("dmin", 8 * g), ("sc", g), ("m", g)) if f"{n}.{k}" in stored}
+            if kind in ("int4", "q4k"):
                 out["codes"] = quant.unpack_codes(out["codes"])
             return out
 
@@ -267,8 +268,9 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
             # tied and not yet given its own copy: the output layer reads the embedding
             dense = model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
             new: torch.nn.Module | None = None
-            whole_groups = all(p is None or p[0] == 0 or (p[1] % quant.INT4_GROUP == 0 and p[2] % quant.INT4_GROUP == 0)
-                               for p in (parts.get(n) for n in names))
+            # whole groups of 32 along the input (of 256 for Q4_K's super-blocks)
+            whole_groups = all(p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
+                               ((parts.get(n), 256 if kinds.get(n) == "q4k" else quant.INT4_GROUP) for n in names))
             part_kinds = [kinds.get(n, "dense") for n in names]
             output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
             if whole_groups and not output_q8 and native.plan(part_kinds) is not None:
@@ -280,8 +282,8 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                 # packed where it runs, for the kernel the dtype and device choose
                 new = native.build(part_kinds, blocks, getattr(dense, "bias", None), dtype, device)
                 count += new is not None
-            elif output_q8 and whole_groups and part_kinds == ["q8g"] and \
-                    (exact := native.output_layer(read(names[0]), dtype, device)) is not None:
+            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k") and \
+                    (exact := native.output_layer(part_kinds[0], read(names[0]), dtype, device)) is not None:
                 new = exact  # Q8_0 as it is; Q6_K / Q5_* requantised from their exact values
                 count += sources.get(names[0]) == "Q8_0"
             elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)

@@ -5,18 +5,20 @@ in one of three kinds (models/gguf_blocks.py decodes the blocks):
 
 - "int4": Q4_0 / Q4_1, codes 0..15 with w = (q - 8) scale + zero (quant.Int4Linear, the w4a8 kernel
   with bfloat16 scales: 5 bits a weight);
-- "q4f": Q4_K, codes 0..15 with w = q scale + zero, scale = d sc and zero = -dmin m per 32 in float32
-  (W4FLinear, the w4a8 kernel's float32 form: exact, 6 bits a weight);
+- "q4k": Q4_K, codes 0..15 and its own scales, w = d sc q - dmin m (W4KLinear, the w4a8 kernel's
+  super-block form: d, dmin float16 per 256, sc, m 6-bit per 32 in a byte each: 4.625 bits a weight,
+  the format's values exactly);
 - "q8g": Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, int8 codes with w = scale sub q + zero, a float32 scale per
   32, Q6_K's int8 scale per 16 as `sub` and Q5_1 / Q5_K's float32 zero per 32 (W8GLinear, the w8a8
   kernel's general form: exact, 9-10.5 bits a weight).
 
 One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
 keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
-exactly: all int4 -> Int4Linear; int4 and q4f -> W4FLinear (Q4_0's zero -8d is exact; Q4_1's m + 8d
-was rounded once already); any q8g -> W8GLinear (4-bit codes are int8 codes too). A part with no
-native kind (an IQ type, F16, a shape the kernels cannot take) keeps the whole linear dense, and
-`load_native` names every such linear and its types in one start-up line.
+exactly: all int4 -> Int4Linear; all q4k -> W4KLinear; 4-bit parts of both -> W4FLinear (float32
+scale and zero per 32, 6 bits a weight: Q4_K's d sc and -dmin m exactly, Q4_0's zero -8d exactly,
+Q4_1's m + 8d as rounded once already); any q8g -> W8GLinear (4-bit codes are int8 codes too). A part
+with no native kind (an IQ type, F16) keeps the whole linear dense, and the loader names every such
+linear and its types in one start-up line.
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8Out
 
 log = logging.getLogger(__name__)
 
-KINDS = ("int4", "q4f", "q8g")
+KINDS = ("int4", "q4k", "q8g")
 # forward.cpp's projection kinds (its Kind enum)
-FUSED_W4F, FUSED_W8G = 2, 3
+FUSED_W4F, FUSED_W8G, FUSED_W4K = 2, 3, 4
 
 
 class W4FLinear(_QuantLinear):
@@ -78,6 +80,55 @@ class W4FLinear(_QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", w4a8 float32 scales (Q4_K)"
+
+
+class W4KLinear(_QuantLinear):
+    """GGUF's Q4_K in its own scales, w = d sc q - dmin m (d, dmin float16 per 256; sc, m 6-bit per 32),
+    on the w4a8 kernel's super-block form (bfloat16, CPU): the bits W4FLinear gives the same weights,
+    in 4.625 bits a weight instead of 6."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """codes [N, K] 0..15; d, dmin [N, K / 256] float16; sc, m [N, K / 32] integers 0..63."""
+        kernel = cpu_kernels.w4a8()
+        n, k = codes.shape
+        if kernel is None or n % INT4_N_MULTIPLE or k % (8 * INT4_GROUP):
+            raise ValueError(f"W4KLinear needs augury's w4a8 kernel and a [N % 16, K % 256] shape, got [{n}, {k}]")
+        super().__init__(bias, torch.bfloat16, torch.device("cpu"))
+        self.out_features, self.in_features = n, k
+        c, sm, dd = kernel.pack_k(codes, d, dmin, sc, m)
+        self.register_buffer("codes", c)  # [N/16, K/32, 256] uint8
+        self.register_buffer("sm", sm)  # [N/16, K/32, 32] uint8: sc, then m
+        self.register_buffer("dd", dd)  # [N/16, K/256, 32] float16: d, then dmin
+
+    def dequantize(self) -> torch.Tensor:
+        codes, d, dmin, sc, m = cpu_kernels.W4A8.unpack_k(self.codes, self.sm, self.dd)
+        n, k = codes.shape
+        scale = d.float().repeat_interleave(8, dim=1) * sc.float()  # exact, as the kernel computes it
+        zero = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
+        q = codes.float().view(n, k // INT4_GROUP, INT4_GROUP)
+        return (q * scale[..., None] + zero[..., None]).view(n, k)
+
+    def scales_device(self) -> torch.device:
+        return self.sm.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernels.w4a8()
+        if kernel is None:
+            raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
+        return kernel.linear_k(x, self.codes, self.sm, self.dd)
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            return None
+        return [FUSED_W4K, self.codes.data_ptr(), self.sm.data_ptr(), self.dd.data_ptr(), 0,
+                0 if b is None else b.data_ptr()]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", w4a8 Q4_K super-block scales"
 
 
 class W8GLinear(_QuantLinear):
@@ -134,9 +185,15 @@ class W8GLinear(_QuantLinear):
 Part = dict[str, torch.Tensor]
 
 
+def _q4k_scales(p: Part) -> Part:
+    """A q4k part as float32 scale d sc and zero -dmin m per 32 (exact)."""
+    d, dmin = (p[k].float().repeat_interleave(8, dim=1) for k in ("d", "dmin"))
+    return {"codes": p["codes"], "scale": d * p["sc"].float(), "zero": -(dmin * p["m"].float())}
+
+
 def _as_q4f(kind: str, p: Part) -> Part:
-    if kind == "q4f":
-        return p
+    if kind == "q4k":
+        return _q4k_scales(p)
     # int4: (q - 8) s + z = q s + (z - 8 s); Q4_0's z = 0 gives -8d exactly
     scale = p["scale"].float()
     return {"codes": p["codes"], "scale": scale, "zero": (p["zero"].double() - 8.0 * scale.double()).float()}
@@ -145,7 +202,10 @@ def _as_q4f(kind: str, p: Part) -> Part:
 def _as_q8g(kind: str, p: Part) -> Part:
     if kind == "q8g":
         return p
-    # 4-bit parts as int8 codes: int4's (q - 8) s + z as code q - 8 with zero z; q4f's as they are
+    if kind == "q4k":
+        p = _q4k_scales(p)
+    # 4-bit parts as int8 codes: int4's (q - 8) s + z as code q - 8 with zero z; q4k's with
+    # zero -dmin m
     codes = p["codes"].to(torch.int16) - (8 if kind == "int4" else 0)
     return {"codes": codes.to(torch.int8), "scale": p["scale"].float(), "zero": p["zero"].float()}
 
@@ -156,7 +216,9 @@ def plan(kinds: list[str]) -> str | None:
         return None
     if all(k == "int4" for k in kinds):
         return "int4"
-    return "q4f" if all(k in ("int4", "q4f") for k in kinds) else "q8g"
+    if all(k == "q4k" for k in kinds):
+        return "q4k"
+    return "q4f" if all(k in ("int4", "q4k") for k in kinds) else "q8g"
 
 
 def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype,
@@ -172,6 +234,10 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
         return Int4Linear(cat["codes"], cat["scale"], cat["zero"], bias, dtype, device=device)
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None  # the float32 and general forms run in augury's CPU kernels, bfloat16 only
+    if kind == "q4k":
+        if cpu_kernels.w4a8() is None or parts[0]["codes"].shape[1] % (8 * INT4_GROUP):
+            return None
+        return W4KLinear(*(torch.cat([p[k] for p in parts]) for k in ("codes", "d", "dmin", "sc", "m")), bias)
     if kind == "q4f":
         if cpu_kernels.w4a8() is None:
             return None
@@ -194,12 +260,14 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
                      bias)
 
 
-def output_layer(part: Part, dtype: torch.dtype, device: torch.device) -> W8A8OutputLinear | None:
-    """The output layer from one q8g tensor on the w8a8 kernel (float32 logits, chosen columns for
-    grammars): a Q8_0 tensor's codes and scales as they are (exact), another type (Q6_K, Q5_*)
-    requantised by Q8_0's rule from its exact float32 values (the kernel has one scale per 32 and no
-    zero: within half a Q8_0 step of the format's values). None off the CPU, outside bfloat16 or
-    without the kernel."""
+def output_layer(kind: str, part: Part, dtype: torch.dtype, device: torch.device) -> W8A8OutputLinear | None:
+    """The output layer from one q8g or q4k tensor on the w8a8 kernel (float32 logits, chosen columns
+    for grammars): a Q8_0 tensor's codes and scales as they are (exact), another type (Q6_K, Q5_*,
+    Q4_K) requantised by Q8_0's rule from its exact float32 values (the kernel has one scale per 32
+    and no zero: within half a Q8_0 step of the format's values). None off the CPU, outside bfloat16
+    or without the kernel."""
+    if kind == "q4k":
+        part = _q4k_scales(part)
     kernel = cpu_kernels.w8a8()
     codes = part["codes"]
     n, k = codes.shape

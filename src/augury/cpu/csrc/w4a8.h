@@ -79,16 +79,46 @@ constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
 using augury::prefetch_next;  // simd.h
 
-// Two storages of the scales and zeros, one kernel: bfloat16 with codes offset by 8 (w = (q - 8) s + z,
-// torch's int4 convention: Q4_0 / Q4_1 and augury's own int4), or float32 with codes taken as they
-// are (w = q s + z: GGUF's Q4_K, whose s = d * sc and z = -dmin * m are exact in float32, so the
-// weights are the format's values to the bit, no offset folded into z).
+// Three storages of the scales and zeros (S the scales' element type, Z the zeros'), one kernel:
+// - bfloat16 s and z [P, G, 16], codes offset by 8 (w = (q - 8) s + z, torch's int4 convention: Q4_0 /
+//   Q4_1 and augury's own int4);
+// - float32 s and z [P, G, 16], codes as they are (w = q s + z: GGUF's Q4_K with s = d sc and
+//   z = -dmin m, exact in float32, so the weights are the format's values to the bit);
+// - Q4_K's own super-block scales: S = uint8_t, sc then m [P, G, 32] (16 columns each, 6-bit values),
+//   Z = uint16_t, d then dmin [P, G / 8, 32] float16; per group s = d sc and z = -(dmin m), computed
+//   exactly in float32: the float32 form's numbers and bits in 4.625 bits a weight instead of 6.
 template <class S>
 constexpr int code_offset = 8;
 template <>
 constexpr int code_offset<float> = 0;
-inline __m256 load_scale8(const uint16_t *p) { return load_bf16x8(p); }
-inline __m256 load_scale8(const float *p) { return _mm256_loadu_ps(p); }
+template <>
+constexpr int code_offset<uint8_t> = 0;
+template <class S>
+constexpr int64_t scale_width = PANEL;  // scale elements per panel and group
+template <>
+constexpr int64_t scale_width<uint8_t> = 2 * PANEL;
+template <class S>
+inline int64_t zero_stride(int64_t G) { return G * PANEL; }  // zero elements per panel
+template <>
+inline int64_t zero_stride<uint8_t>(int64_t G) { return G / 8 * 2 * PANEL; }
+
+// columns h * 8 .. h * 8 + 7 of group g's scales and zeros
+inline void scales8(const uint16_t *ps, const uint16_t *pz, int64_t g, int h, __m256 &s, __m256 &z) {
+    s = load_bf16x8(ps + g * PANEL + 8 * h), z = load_bf16x8(pz + g * PANEL + 8 * h);
+}
+inline void scales8(const float *ps, const float *pz, int64_t g, int h, __m256 &s, __m256 &z) {
+    s = _mm256_loadu_ps(ps + g * PANEL + 8 * h), z = _mm256_loadu_ps(pz + g * PANEL + 8 * h);
+}
+inline __m256 u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
+}
+inline __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+inline void scales8(const uint8_t *ps, const uint16_t *pz, int64_t g, int h, __m256 &s, __m256 &z) {
+    const uint8_t *q = ps + g * 2 * PANEL + 8 * h;
+    const uint16_t *d = pz + g / 8 * 2 * PANEL + 8 * h;
+    s = _mm256_mul_ps(f16x8(d), u8x8(q));  // exact: an 11-bit significand times a 6-bit integer
+    z = _mm256_xor_ps(_mm256_mul_ps(f16x8(d + PANEL), u8x8(q + PANEL)), _mm256_set1_ps(-0.0f));  // -(dmin m)
+}
 
 inline int32_t load_i32(const int8_t *p) {
     int32_t v;
@@ -116,12 +146,26 @@ inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))), 16));
 }
-inline __m512 load_scale16(const uint16_t *p) { return load_bf16x16(p); }
-inline __m512 load_scale16(const float *p) { return _mm512_loadu_ps(p); }
+// group g's scales and zeros of the panel's 16 columns (the storages above)
+inline void scales16(const uint16_t *ps, const uint16_t *pz, int64_t g, __m512 &s, __m512 &z) {
+    s = load_bf16x16(ps + g * PANEL), z = load_bf16x16(pz + g * PANEL);
+}
+inline void scales16(const float *ps, const float *pz, int64_t g, __m512 &s, __m512 &z) {
+    s = _mm512_loadu_ps(ps + g * PANEL), z = _mm512_loadu_ps(pz + g * PANEL);
+}
+inline void scales16(const uint8_t *ps, const uint16_t *pz, int64_t g, __m512 &s, __m512 &z) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(ps + g * 2 * PANEL));
+    const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i *>(ps + g * 2 * PANEL + PANEL));
+    const uint16_t *d = pz + g / 8 * 2 * PANEL;
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(d)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(d + PANEL)));
+    s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)));
+    z = _mm512_xor_ps(_mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))), _mm512_set1_ps(-0.0f));
+}
 
 // one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c]
-template <int R, class S>
-inline void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_t Gp,
+template <int R, class S, class Z>
+inline void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp,
                   const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[R];
@@ -142,7 +186,8 @@ inline void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_
                 ia[r] = dpbusd512(ia[r], hi, _mm512_set1_epi32(load_i32(xr + 4)));
             }
         }
-        const __m512 sv = load_scale16(ps + g * PANEL), zv = load_scale16(pz + g * PANEL);
+        __m512 sv, zv;
+        scales16(ps, pz, g, sv, zv);
         for (int r = 0; r < R; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(ia[r]);
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])), acc[r]);
@@ -179,9 +224,9 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 // pass per half of 8 columns, as before, spent more instructions per product: single-threaded, a
 // 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
 // at 1 row, 0.44 vs 0.33 at 4 and 8 rows (with W4_ROW_BLOCK_MAX's blocks). out[r * 16 + c]
-template <int R, class S>
+template <int R, class S, class Z>
 __attribute__((noinline))  // compiled alone, whatever the caller: fewer spills
-void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_t Gp, const int8_t *xq,
+void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, const int8_t *xq,
            const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 acc[R][2];
@@ -214,8 +259,9 @@ void panel(const uint8_t *pc, const S *ps, const S *pz, int64_t G, int64_t Gp, c
                 }
             }
         }
-        const __m256 sv[2] = {load_scale8(ps + g * PANEL), load_scale8(ps + g * PANEL + 8)};
-        const __m256 zv[2] = {load_scale8(pz + g * PANEL), load_scale8(pz + g * PANEL + 8)};
+        __m256 sv[2], zv[2];
+        scales8(ps, pz, g, 0, sv[0], zv[0]);
+        scales8(ps, pz, g, 1, sv[1], zv[1]);
         for (int r = 0; r < R; r++) {
             const __m256i x8 = _mm256_set1_epi32(xsum[r * Gp + g] * code_offset<S>);
             const __m256 d = _mm256_set1_ps(dx[r * Gp + g]), x = _mm256_set1_ps(xs[r * Gp + g]);
@@ -305,8 +351,8 @@ inline int block_rows(int64_t rest, int most = ROW_BLOCK_MAX) {
 // y[m, n] for every row and column (N a multiple of PANEL); store.row16(m, n0, v) receives y[m, n0 ..
 // n0 + 15] in float32 (no bias added), n0 a multiple of 16. Threads split the panels; each panel's codes (G * 256 bytes) stay in L1
 // while its rows go by in register blocks (block_rows), ROW_TILE rows' activations staying in cache.
-template <class Store, class S>
-inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *s, const S *z,
+template <class Store, class S, class Z>
+inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *s, const Z *z,
                     int64_t N, Store store, augury::Barrier &bar) {
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
@@ -314,7 +360,8 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * PANEL_BYTES;
-            const S *ps = s + p * G * PANEL, *pz = z + p * G * PANEL;
+            const S *ps = s + p * G * scale_width<S>;
+            const Z *pz = z + p * zero_stride<S>(G);
             for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
                 r = block_rows(t1 - m0, W4_ROW_BLOCK_MAX);
                 float out[ROW_BLOCK_MAX * PANEL];
