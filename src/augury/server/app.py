@@ -1,9 +1,12 @@
-"""The FastAPI application: OpenAI routes, /health, /metrics, /server_info.
+"""The FastAPI application: OpenAI routes, /tokenize and /detokenize (vLLM's), /health, /ping,
+/metrics, /server_info.
 
 Handlers run on the HTTP event loop and never call the Engine; they go through the
-EngineLoop (engine_loop.py). When an API key is set, every route but /health, /metrics and
+EngineLoop (engine_loop.py). When an API key is set, every route but /health, /ping, /metrics and
 /version (probes and scrapers carry no keys) needs it, checked from the headers before any byte
 of the body is read (KeyCheck). /docs, /redoc and /openapi.json exist only with --enable-docs.
+Around them (ops.py): CORS outermost (a preflight needs no key), then the request id, its headers
+and the request log (RequestContext).
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ from augury.server.errors import error_response, install_error_handlers
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from augury.server.ops import RequestContext, add_cors, request_id
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
+from augury.server.tokenize import add_token_routes
 from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
 from augury.structured.tools import parse_tool_calls
 
@@ -31,7 +36,7 @@ DISCARD_AT_MOST = 4 * MAX_BODY_BYTES  # of a body over the limit, read and dropp
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # served without the key
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})  # served without the key
 # checks nothing (KeyCheck has, before the body): it puts the Bearer scheme in /openapi.json for /docs
 _bearer = HTTPBearer(auto_error=False)
 
@@ -122,15 +127,19 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
-    """The app; /docs, /redoc and /openapi.json only with enable_docs (behind the key like the rest)."""
+def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool = False,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The app; /docs, /redoc and /openapi.json only with enable_docs (behind the key like the rest);
+    log_requests: one log line per request (ops.RequestContext); allowed_origins: CORS (ops.add_cors)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="augury", version=augury.__version__,
                   description="OpenAI-compatible LLM server with load-aware EAGLE-3 speculative decoding", **docs)
     app.state.augury = state
     install_error_handlers(app)
     app.add_middleware(BodyLimit)
-    app.add_middleware(KeyCheck, key=state.api_key)  # added last: runs first, before any body is read
+    app.add_middleware(KeyCheck, key=state.api_key)  # before any body is read
+    app.add_middleware(RequestContext, log_requests=log_requests)  # a 401 carries the id and is logged too
+    add_cors(app, allowed_origins)  # added last: runs first (a preflight never meets the key)
 
     guarded = [Depends(_bearer)]
 
@@ -142,6 +151,11 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
             return JSONResponse({"status": "ok"})
         status = "starting" if not state.ready else "engine not running"
         return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/ping", operation_id="ping_get", responses={503: {"model": ErrorResponse}})
+    @app.post("/ping", operation_id="ping_post", responses={503: {"model": ErrorResponse}})
+    async def ping() -> Response:  # vLLM's (SageMaker's) liveness probe: /health's answer
+        return await health()
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
@@ -156,26 +170,30 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
     async def server_info() -> dict[str, Any]:
         return state.info.render()
 
-    def card() -> ModelCard:
+    def card(name: str) -> ModelCard:
         tp = distributed.status()
-        return ModelCard(id=state.model_name, created=int(state.info.started_at), root=state.model_name,
+        return ModelCard(id=name, created=int(state.info.started_at), root=state.model_name,
                          max_model_len=state.max_model_len, tensor_parallel_size=tp["size"],
                          tensor_parallel_backend=tp["backend"])
 
     @app.get("/v1/models", dependencies=guarded, responses=_ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(name) for name in state.model_names or (state.model_name,)])
 
     @app.get("/v1/models/{model_id:path}", dependencies=guarded, responses=_ERRORS)
     async def get_model(model_id: str) -> ModelCard:
         check_model(state, model_id)
-        return card()
+        return card(model_id)
+
+    add_token_routes(app, state, guarded, _ERRORS)
 
     async def answer(body, request: Request, job, t0: float, events, obj: str, choice, logprobs) -> Response:
         """The part completions and chat share: admit, then stream or collect one JSON body.
         choice(i, out) -> the choice's own fields; logprobs(tokenizer, i, out) -> its logprobs object
         (run on the tokenizer thread, only when the request asked for logprobs)."""
         group = admit(state, job, stream=bool(body.stream))
+        request.state.job = job  # what the request log says of it
+        job.continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return GroupStreamingResponse(events(state, job, group, t0, include), group,
@@ -183,6 +201,8 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
         outs = await collect(state, group, request, t0)
         if outs is None:
             return Response(status_code=499)
+        for o in outs:
+            job.note(o)
         lps: list[Any] = [None] * len(outs)
         if job.logprobs is not None:
             tok = state.tokenizer
@@ -196,7 +216,8 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
     @app.post("/v1/completions", dependencies=guarded, response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
-        job = await completion_job(state, body)
+        state.fields.check(body, request.scope.get("state"))
+        job = await completion_job(state, body, *request_id(request, body.request_id))
 
         def prefix(i: int) -> str:  # echo: the choice's prompt text first
             return job.prompt_texts[i // job.n] if job.echo else ""
@@ -213,7 +234,8 @@ def create_app(state: ServerState, enable_docs: bool = False) -> FastAPI:
               responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         t0 = time.monotonic()
-        job = await chat_job(state, body)
+        state.fields.check(body, request.scope.get("state"))
+        job = await chat_job(state, body, *request_id(request, body.request_id))
 
         def message(i: int, o) -> dict[str, Any]:
             if not job.parse_tools:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class ServeSettings:
     stream_timeout: float = DEFAULT_STREAM_TIMEOUT  # a streaming client reading nothing this long is cut off; 0: never
     limits: RequestLimits = RequestLimits()  # what one request may ask (--limit-*)
     resolved: ResolvedModel | None = None  # the folders behind engine.model, once start-up resolved them
+    served_model_names: tuple[str, ...] = ()  # every --served-model-name (served_model_name is the first)
+    strict_fields: bool = False  # unknown request fields are a 400 (default: warned once, listed in a header)
+    log_requests: bool = False  # one log line per request (--enable-log-requests)
+    allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); none: no CORS headers
 
     def describe(self) -> dict[str, Any]:
         """For /server_info: everything except the key itself."""
@@ -45,7 +50,10 @@ class ServeSettings:
                 "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser,
                 "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout,
                 "limits": dataclasses.asdict(self.limits),
-                "stream_timeout": self.stream_timeout}
+                "stream_timeout": self.stream_timeout,
+                "served_model_names": list(self.served_model_names or (self.served_model_name,)),
+                "strict_fields": self.strict_fields, "enable_log_requests": self.log_requests,
+                "allowed_origins": list(self.allowed_origins)}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -63,7 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
                         "(default: $AUGURY_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model as given)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may use, one or more; answers carry the first "
+                        "(default: --model as given)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse requests with fields augury does not know (a 400 naming the field); default: "
+                        "each such field is warned about once and listed in the X-Augury-Ignored-Fields header")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request: its id, route, status, time, tokens and finish reasons")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins (e.g. http://localhost:3000, or '*') whose browser pages may call this server "
+                        "(CORS); default: none")
     p.add_argument("--max-queue-size", type=int, default=DEFAULT_MAX_QUEUE_SIZE,
                    help="requests that may wait beyond --max-num-seqs running ones; more get 429")
     p.add_argument("--debug", action="store_true", help="debug logging, and tracebacks with start-up errors")
@@ -81,6 +99,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_flags(p)  # every request limit, from the one table in limits.py
     add_flags(p)  # every engine option, from the one table in config.py
     return p
+
+
+def parse_origins(values: list[str] | None) -> tuple[str, ...]:
+    """--allowed-origins: origins (scheme://host[:port]) or "*"; vLLM's JSON list form is read too.
+    ValueError naming the flag for anything else."""
+    if not values:
+        return ()
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            values = json.loads(values[0])
+        except ValueError as e:
+            raise ValueError(f"--allowed-origins: not a JSON list: {e}") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError("--allowed-origins: a JSON list must hold origins as strings")
+    out = []
+    for v in values:
+        v = v.strip()
+        scheme, sep, rest = v.partition("://")
+        if v != "*" and not (sep and scheme in ("http", "https") and rest and "/" not in rest.rstrip("/")):
+            raise ValueError(f"--allowed-origins: {v!r} is not an origin (scheme://host[:port], e.g. "
+                             "http://localhost:3000) nor '*'")
+        out.append(v.rstrip("/"))
+    return tuple(out)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -105,12 +146,18 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"{source} must not begin or end with whitespace")
     if not args.host:
         raise ValueError("--host must not be empty")
-    name = args.served_model_name if args.served_model_name is not None else engine.model
-    if not name.strip():
+    names = list(args.served_model_name) if args.served_model_name else [engine.model]
+    if any(not n.strip() for n in names):
         raise ValueError("--served-model-name must not be empty")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name names one model twice: {', '.join(names)}")
+    name = names[0]
+    origins = parse_origins(args.allowed_origins)
     limits = limits_from_args(args)
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine, limits=limits,
                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                          enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout,
-                         stream_timeout=args.stream_timeout)
+                         stream_timeout=args.stream_timeout, served_model_names=tuple(names),
+                         strict_fields=args.strict_fields, log_requests=args.enable_log_requests,
+                         allowed_origins=origins)

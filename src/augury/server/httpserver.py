@@ -25,6 +25,7 @@ from augury.server.drain import Drain
 from augury.server.engine_loop import EngineLoop
 from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
+from augury.server.fields import FieldPolicy
 from augury.server.serving import ServerState
 
 log = logging.getLogger("augury.server")
@@ -141,8 +142,11 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
                         info=info, api_key=settings.api_key,
                         grammar=engine.grammar if engine.tokenizer is not None else None,
                         tool_call_parser=settings.tool_call_parser, limits=settings.limits,
-                        stream_timeout=settings.stream_timeout or None)  # 0: never
-    config = uvicorn.Config(create_app(state, settings.enable_docs), log_level="debug" if settings.debug else "warning",
+                        stream_timeout=settings.stream_timeout or None,  # 0: never
+                        model_names=settings.served_model_names or (settings.served_model_name,),
+                        fields=FieldPolicy(strict=settings.strict_fields))
+    app = create_app(state, settings.enable_docs, settings.log_requests, settings.allowed_origins)
+    config = uvicorn.Config(app, log_level="debug" if settings.debug else "warning",
                             access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,
                             server_header=False)
     return AuguryServer(config, state, settings, failure)

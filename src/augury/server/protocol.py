@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response bodies (pydantic), the subset augury serves.
 
-Unknown request fields are ignored, as OpenAI-compatible servers do; fields augury does not
-implement but a client may send are accepted when they carry their neutral value and
-rejected with a 400 otherwise (see serving.py), never silently misapplied.
+Request models keep the fields they do not declare (extra="allow") so that fields.FieldPolicy can
+name them: logged once and listed in a response header, or a 400 with --strict-fields. Fields augury
+does not implement but a client may send are declared and accepted when they carry their neutral
+value, a 400 otherwise (fields.refuse), never silently misapplied. docs/api.md has the table.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotate
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (vLLM): usage so far in every chunk
 
 
 class SamplingFields(_Request):
@@ -54,6 +56,27 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
     max_draft_tokens: StrictInt | None = None  # extension (augury): this request's draft budget, 0 = no speculation
+    # extensions (vLLM): honoured
+    min_tokens: StrictInt | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    truncate_prompt_tokens: StrictInt | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    add_special_tokens: bool | None = None  # completions: True by default; chat: False (the template has them)
+    request_id: str | None = None  # the request's id when no X-Request-Id header gives one
+    # accepted, no effect on the answer (OpenAI's informational fields)
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # declared to be refused unless neutral (fields.REFUSED_*)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    mm_processor_kwargs: Any = None
+    store: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -76,13 +99,66 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """How messages become a prompt (vLLM's fields), shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open: the answer continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking, ...)
+    chat_template: Any = None  # refused (fields.REFUSED_CHAT)
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = True
     top_logprobs: StrictInt | None = None  # 0..20, with logprobs: true
+    # declared to be refused unless neutral (fields.REFUSED_CHAT)
+    echo: Any = None
+    documents: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's /tokenize for text."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """vLLM's /tokenize for chat messages: the prompt a chat completion would get."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class SpeculativeUsage(BaseModel):

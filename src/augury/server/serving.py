@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import threading
 import uuid
@@ -19,7 +18,9 @@ from augury.limits import RequestLimits
 from augury.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputsParams
 from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestGroup
 from augury.server.errors import APIError, bad_request
+from augury.server.fields import REFUSED_CHAT, REFUSED_COMPLETION, FieldPolicy, refuse, template_kwargs, truncate
 from augury.server.info import ServerInfo
+from augury.server.messages import chat_template_check, message_dicts, render_chat, tools_native, with_tools_prompt
 from augury.server.metrics import ServerMetrics
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from augury.structured import tools as tool_calls
@@ -49,6 +50,8 @@ class ServerState:
     # tokenizer thread; two threads, so one slow compile does not hold every other
     grammar_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="augury-grammar"))
+    model_names: tuple[str, ...] = ()  # every --served-model-name (model_name is the first; answers name it)
+    fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown request fields: warned, or refused
 
     async def on_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -69,6 +72,17 @@ class Job:
     prompt_texts: list[str] | None = None
     parse_tools: bool = False  # chat with tools: answers are parsed for tool calls
     tool_names: frozenset[str] | None = None  # and the functions a call may name (others are content)
+    engine_id: str = ""  # the id its engine requests are submitted under (unique); "": request_id
+    continuous_usage: bool = False  # streamed: usage so far in every chunk (stream_options.continuous_usage_stats)
+    # what the request log says of it once answered (note())
+    completion_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def note(self, out) -> None:
+        """An output of one of its requests went to the client (a delta, or a final output)."""
+        self.completion_tokens += len(out.new_token_ids)
+        if out.finished:
+            self.finish_reasons.append(out.finish_reason or "unknown")
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,9 +94,18 @@ class Job:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                       "model_not_found", "model")
+    names = state.model_names or (state.model_name,)
+    if model is not None and model not in names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       + ", ".join(repr(n) for n in names), "model_not_found", "model")
+
+
+def job_ids(prefix: str, request_id: str | None, given: bool) -> tuple[str, str]:
+    """(the id answers carry, the id its engine requests go by). A client's id (X-Request-Id or the
+    body's request_id) names the answer, prefix-ID as vLLM does; the engine's id adds a random part,
+    since two requests in flight may carry the same id."""
+    public = f"{prefix}-{request_id or uuid.uuid4().hex}"
+    return public, (f"{public}-{uuid.uuid4().hex[:8]}" if given else public)
 
 
 def _reject_unsupported(req: SamplingFields, extra: dict[str, Any]) -> None:
@@ -220,7 +243,11 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
                                 frequency_penalty=req.frequency_penalty or 0.0,
                                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                                 min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
-                                bad_words=req.bad_words or None, structured_outputs=structured)
+                                bad_words=req.bad_words or None, structured_outputs=structured,
+                                min_tokens=req.min_tokens or 0,
+                                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                                skip_special_tokens=req.skip_special_tokens is not False,
+                                spaces_between_special_tokens=req.spaces_between_special_tokens is not False)
         state.limits.check_sampling(params)  # sizes (limits.py): before anything scans them
     except ValueError as e:  # its messages open with the field's name, which is the request's parameter
         message = str(e)
@@ -262,9 +289,11 @@ def _need_tokenizer(state: ServerState) -> Any:
     return state.tokenizer
 
 
-async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
+async def completion_job(state: ServerState, req: CompletionRequest, request_id: str | None = None,
+                         given: bool = False) -> Job:
     check_model(state, req.model)
-    _reject_unsupported(req, {"best_of": (req.best_of, (None, 1)), "suffix": (req.suffix, (None, ""))})
+    _reject_unsupported(req, {})
+    refuse(req, REFUSED_COMPLETION)
     k = None if req.logprobs is None else _top_k(req.logprobs, "logprobs")
     echo = bool(req.echo)
     p = req.prompt
@@ -278,12 +307,15 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
         prompts = [list(x) for x in p]
     else:
         tok = _need_tokenizer(state)
-        prompts = await state.on_tokenizer_thread(lambda: [tok.encode(text) for text in p])
-    prompts = [_check_ids(ids, state) for ids in prompts]
+        special = req.add_special_tokens is not False
+        prompts = await state.on_tokenizer_thread(lambda: [tok.encode(text, add_special_tokens=special) for text in p])
+    whole = [len(ids) for ids in prompts]
+    prompts = [_check_ids(truncate(ids, req.truncate_prompt_tokens, state.max_model_len), state) for ids in prompts]
+    truncated = [len(ids) for ids in prompts] != whole
     n = _check_n(req, len(prompts), state)
     texts = None
     if echo:  # the prompt as sent, or its ids decoded (no tokenizer: no text, as for the output)
-        if all(isinstance(x, str) for x in p):
+        if all(isinstance(x, str) for x in p) and not truncated:
             texts = list(p)
         elif state.tokenizer is not None:
             tok = state.tokenizer
@@ -294,71 +326,37 @@ async def completion_job(state: ServerState, req: CompletionRequest) -> Job:
     params = [_sampling(req, req.max_tokens, len(ids), state, 16, c, k, k if echo else None, so)
               for ids in prompts for c in range(n)]
     await _compile(state, so, param, req.bad_words)  # after the limits: the choices share `so`
-    return Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, n, k, echo, texts)
+    public, engine_id = job_ids("cmpl", request_id, given)
+    return Job(public, prompts, params, n, k, echo, texts, engine_id=engine_id)
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, list):
-        if any(part.type != "text" or part.text is None for part in content):
-            raise bad_request("only text content parts are supported", where, "unsupported_parameter")
-        return "".join(part.text or "" for part in content)
-    return content or ""
+async def chat_prompt(state: ServerState, req: Any, tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt ids of req's messages (a chat request or a /tokenize chat body), tools described
+    to the model (natively, or in the system message for a template that takes none); a 400 for
+    messages the template rejects."""
+    tok = _need_tokenizer(state)
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    chat_template_check(req)
+    native = tools_native(tok)
+    messages = message_dicts(req, native)
+    described = tools
+    if described and not native:
+        messages, described = with_tools_prompt(messages, described), None
+    template_kwargs(tok, req.chat_template_kwargs)  # a 400 before the tokenizer thread
+    try:
+        return await state.on_tokenizer_thread(render_chat, tok, messages, described, req)
+    except APIError:
+        raise
+    except Exception as e:  # a template that raises on these messages (e.g. role order it forbids)
+        raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
 
 
-def _message_dicts(req: ChatCompletionRequest, native_tools: bool) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them. An assistant turn's tool_calls and a tool turn's
-    answer go to a template that knows tools as they are (arguments as objects, as Hugging Face
-    templates expect); for one that does not, they become hermes text: the calls as <tool_call>
-    blocks in the assistant's content, the answer inside <tool_response> tags."""
-    out = []
-    for i, m in enumerate(req.messages):  # roles are checked by the request model
-        d: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
-        if m.role == "assistant" and m.tool_calls:
-            calls = []
-            for j, call in enumerate(m.tool_calls):
-                fn = call.get("function") if isinstance(call, dict) else None
-                try:
-                    name, args = fn["name"], fn.get("arguments") or "{}"
-                    parsed = json.loads(args) if isinstance(args, str) else args
-                    if not isinstance(name, str) or not isinstance(parsed, dict):
-                        raise TypeError
-                except (TypeError, KeyError, ValueError):
-                    raise bad_request("a tool call needs function.name and function.arguments (a JSON object)",
-                                      f"messages.{i}.tool_calls.{j}") from None
-                calls.append({"id": call.get("id"), "type": "function",
-                              "function": {"name": name, "arguments": parsed}})
-            if native_tools:
-                d["tool_calls"] = calls
-            else:
-                text = "\n".join(tool_calls.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
-                                 for c in calls)
-                d["content"] = f"{d['content']}\n{text}" if d["content"] else text
-        if m.role == "tool":
-            if native_tools:
-                d["tool_call_id"] = m.tool_call_id
-            else:
-                d["content"] = f"<tool_response>\n{d['content']}\n</tool_response>"
-        out.append(d)
-    return out
-
-
-def _render_chat(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    kw = {"tools": tools} if tools else {}
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
-    return tok.encode(text, add_special_tokens=False)  # the template holds the special tokens
-
-
-def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For a template that takes no tools: describe them in the system message (hermes format)."""
-    prompt = tool_calls.tools_prompt(tools)
-    if messages and messages[0]["role"] in ("system", "developer"):
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
-    return [{"role": "system", "content": prompt}, *messages]
-
-
-async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
+async def chat_job(state: ServerState, req: ChatCompletionRequest, request_id: str | None = None,
+                   given: bool = False) -> Job:
     check_model(state, req.model)
     _reject_unsupported(req, {})
+    refuse(req, REFUSED_CHAT)
     if req.logprobs is not None and not isinstance(req.logprobs, bool):
         raise bad_request(f"logprobs must be true or false, got {req.logprobs!r}", "logprobs")
     top = None if req.top_logprobs is None else _top_k(req.top_logprobs, "top_logprobs")
@@ -394,23 +392,15 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest) -> Job:
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
         so, param = StructuredOutputsParams(structural_tag=grammar), "tools"
-    native = isinstance(template, str) and "tools" in template
-    messages = _message_dicts(req, native)
-    described = tools if choice != "none" else None
-    if described and not native:
-        messages, described = _with_tools_prompt(messages, described), None
-    try:
-        ids = await state.on_tokenizer_thread(_render_chat, tok, messages, described)
-    except Exception as e:  # a template that raises on these messages (e.g. role order it forbids)
-        raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
-    _check_ids(ids, state)
+    ids = await chat_prompt(state, req, tools if choice != "none" else None)
+    ids = _check_ids(truncate(ids, req.truncate_prompt_tokens, state.max_model_len), state)
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = [_sampling(req, max_tokens, len(ids), state, None, c, k, None, so) for c in range(n)]
     await _compile(state, so, param, req.bad_words)  # after the limits: the choices share `so`
     names = frozenset(t["function"]["name"] for t in tools or [])
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, n, k, parse_tools=choice != "none",
-               tool_names=names)
+    public, engine_id = job_ids("chatcmpl", request_id, given)
+    return Job(public, [ids], params, n, k, parse_tools=choice != "none", tool_names=names, engine_id=engine_id)
 
 
 def admit(state: ServerState, job: Job, stream: bool) -> RequestGroup:
@@ -424,7 +414,7 @@ def admit(state: ServerState, job: Job, stream: bool) -> RequestGroup:
     try:
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         params = [dataclasses.replace(p, output_kind=kind) for p in job.params]
-        group = state.loop.submit(job.request_id, job.choice_prompts, params)
+        group = state.loop.submit(job.engine_id or job.request_id, job.choice_prompts, params)
     except QueueFull as e:
         state.metrics.observe_rejected(429)
         raise APIError(429, f"the server is at capacity ({e}); retry later", "queue_full",

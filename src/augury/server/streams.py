@@ -177,6 +177,15 @@ class _HeldLogprobs:
         return self.held.pop(index, ([], []))
 
 
+def _usage_field(job: Job, include_usage: bool, generated: int) -> dict[str, Any]:
+    """A chunk's usage: with stream_options.continuous_usage_stats (vLLM's) the tokens so far, in every
+    chunk; else null with include_usage (the last chunk has it all), none without."""
+    if job.continuous_usage:
+        return {"usage": {"prompt_tokens": job.prompt_tokens, "completion_tokens": generated,
+                          "total_tokens": job.prompt_tokens + generated}}
+    return {"usage": None} if include_usage else {}
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -192,6 +201,7 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
     try:
         async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
+            job.note(out)
             generated += len(out.new_token_ids)
             if out.finished:
                 finals.append(out)
@@ -213,9 +223,8 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
                 if logprobs["tokens"]:
                     offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                          "finish_reason": out.finish_reason}]}
-            if include_usage:
-                chunk["usage"] = None
+                                          "finish_reason": out.finish_reason}],
+                     **_usage_field(job, include_usage, generated)}
             yield _sse(chunk)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
@@ -232,17 +241,17 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
     stopped finishes with "tool_calls": the same content, calls and finish as the whole answer's."""
     base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
-    extra = {"usage": None} if include_usage else {}
     observe, generated, finals = _Observer(state, t0), 0, []
     parsers: dict[int, ToolCallStream] = {}
     try:
         for index in range(len(group)):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}
-            yield _sse({**base, "choices": [role], **extra})
+            yield _sse({**base, "choices": [role], **_usage_field(job, include_usage, generated)})
         held = _HeldLogprobs()
         async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
+            job.note(out)
             generated += len(out.new_token_ids)
             if out.finished:
                 finals.append(out)
@@ -267,7 +276,7 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
                 last = i == len(deltas) - 1
                 choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None,
                           "finish_reason": finish if last else None}
-                yield _sse({**base, "choices": [choice], **extra})
+                yield _sse({**base, "choices": [choice], **_usage_field(job, include_usage, generated)})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
     except (RequestFailed, EngineUnavailable) as exc:
