@@ -29,6 +29,24 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class SpecStep:
+    """What one decode step did for one request (SamplingParams.return_token_sources).
+
+    mode: "draft" (the proposer's drafts were verified: the EAGLE-3 head's or the n-gram
+    proposer's, with any prompt-lookup branch and forced tokens grafted on), "free" (drafts that
+    cost no draft model alone: a grammar's forced tokens, prompt lookup) or "plain" (one token
+    decoded, nothing verified). draft_tokens: draft tokens verified for this request; accepted: of
+    those, emitted (the step emitted accepted + 1 tokens, but where a stop ended it). reason: why
+    speculation chose this, as the policy measured it (e.g. its predicted tokens per second drafting
+    against plain decoding's), in words."""
+
+    mode: str
+    draft_tokens: int
+    accepted: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Logprob:
     """One token's log-probability under the target (raw: log-softmax of the target's float32
     logits, before temperature, top-k and top-p) and its rank there (1 = the most likely)."""
@@ -36,6 +54,8 @@ class Logprob:
     logprob: float
     rank: int
 
+
+TOKEN_SOURCES = ("head", "lookup", "forced", "target")  # RequestOutput.token_sources' values
 
 # Per position: token id -> Logprob, the chosen token's first, then the top k (vLLM's shape).
 TokenLogprobs = dict[int, Logprob]
@@ -63,6 +83,11 @@ class RequestOutput:
     ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache at admission.
     ``first_token_time``: time.monotonic() when the engine emitted the request's first generated
     token (None before it), whatever the output kind.
+    ``token_sources`` and ``spec_steps`` (only when SamplingParams.return_token_sources is set, else
+    None; covering what ``token_ids`` covers, by output kind): per generated token, how it came,
+    one of TOKEN_SOURCES ("head", "lookup", "forced": an accepted draft of the EAGLE-3 head, of
+    prompt lookup, a grammar's forced token; "target": the target's own, sampled or the bonus token
+    of a verification); per decode step, a SpecStep (the prefill's first token has none).
     """
 
     request_id: str
@@ -78,6 +103,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     first_token_time: float | None = None
     error: str | None = None  # with finish_reason "error": why (Engine.fail)
+    token_sources: list[str] | None = None
+    spec_steps: list[SpecStep] | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +128,8 @@ class MergedOutputs:
         self.texts = [first.new_text]
         self.logprobs = list(first.logprobs) if delta and first.logprobs is not None else None
         self.prompt_logprobs = list(first.prompt_logprobs) if delta and first.prompt_logprobs is not None else None
+        self.sources = list(first.token_sources) if delta and first.token_sources is not None else None
+        self.steps = list(first.spec_steps) if delta and first.spec_steps is not None else None
 
     def add(self, later: RequestOutput) -> None:
         self.last = later
@@ -112,6 +141,10 @@ class MergedOutputs:
             self.logprobs.extend(later.logprobs)
         if self.prompt_logprobs is not None and later.prompt_logprobs is not None:
             self.prompt_logprobs.extend(later.prompt_logprobs)
+        if self.sources is not None and later.token_sources is not None:
+            self.sources.extend(later.token_sources)
+        if self.steps is not None and later.spec_steps is not None:
+            self.steps.extend(later.spec_steps)
 
     @property
     def held_tokens(self) -> int:
@@ -124,4 +157,4 @@ class MergedOutputs:
             return replace(self.last, new_token_ids=self.ids, new_text=text, first_token_time=self.first_token_time)
         return replace(self.last, token_ids=self.ids, text=text, new_token_ids=self.ids, new_text=text,
                        logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-                       first_token_time=self.first_token_time)
+                       first_token_time=self.first_token_time, token_sources=self.sources, spec_steps=self.steps)

@@ -126,6 +126,12 @@ class SamplingParams:
     ``spaces_between_special_tokens`` (default True, only with skip_special_tokens False): the
     tokenizer's own decoding; False: special and added tokens' text joined to the text around them
     with nothing in between (engine/detokenizer.py).
+
+    ``return_token_sources`` (augury's): outputs also say how each generated token came
+    (RequestOutput.token_sources: an accepted draft of the EAGLE-3 head, of prompt lookup, a
+    grammar's forced token, or the target's own) and what speculation decided at each decode step
+    for this request (RequestOutput.spec_steps). Off by default: a request that does not ask keeps
+    no such lists.
     """
 
     max_tokens: int = 16
@@ -151,6 +157,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_token_sources: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,7 +194,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "return_token_sources"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_shaping()

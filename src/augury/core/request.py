@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from augury.core.kv_cache import block_key
-from augury.outputs import SpecStats
+from augury.outputs import SpecStats, SpecStep
 from augury.sampling import LogitsShaper
 from augury.sampling_params import SamplingParams
 
@@ -91,6 +91,13 @@ class Request:
         # penalties, logit bias, bad words, a grammar (set by the engine at admission when the params
         # ask for any): shapes this request's logits wherever a token is chosen, kept across preemption
         self.shaper: LogitsShaper | None = None
+        # SamplingParams.return_token_sources: per output token how it came (outputs.TOKEN_SOURCES; commit
+        # appends), per decode step what speculation did (the speculator appends); None when not asked
+        # for, so a request that does not ask costs one attribute test where they would be appended
+        asked = params.return_token_sources
+        self.token_sources: list[str] | None = [] if asked else None
+        self.spec_steps: list[SpecStep] | None = [] if asked else None
+        self.num_emitted_steps = 0  # spec_steps already reported to the caller
 
     @property
     def all_token_ids(self) -> list[int]:

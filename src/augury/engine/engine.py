@@ -31,7 +31,7 @@ from augury.core.timing import clock
 from augury.models.config import TargetConfig
 from augury.attention.base import PagedAttention
 from augury.models.llama import TargetModel
-from augury.outputs import RequestOutput
+from augury.outputs import RequestOutput, SpecStep
 from augury.sampling import MASKED_AT_MOST, NO_TOKEN, logits_at_allowed, token_logprobs
 from augury.sampling_params import OutputKind, SamplingParams
 from augury.structured import GrammarBackend, make_shaper
@@ -196,6 +196,8 @@ class Engine:
                 touched = self._run_prefill(batch)
             else:
                 touched = batch.requests
+                if self.speculator is None:
+                    note_plain(batch.requests, "speculation is off on this server")
                 if self.speculator is None or not self.speculator.step(self, batch.requests):
                     trials, t0 = self.thread_trials(), clock(self.device)
                     self._run_decode(batch)
@@ -387,10 +389,12 @@ class Engine:
             self.commit(r, [tok], [lps[i]] if lps[i] is not None else None)
 
     # ------------------------------------------------------------------ commit
-    def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int:
+    def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None,
+               sources: list[str] | None = None) -> int:
         """Append generated tokens (and their TokenLogprobs, when the request asked for them), stopping
         at the first finishing one; returns how many it took (a NO_TOKEN, which ends the request with
-        finish_reason "error", counts)."""
+        finish_reason "error", counts). sources: each token's outputs.TOKEN_SOURCES name, kept when the
+        request asked (SamplingParams.return_token_sources); None: all the target's own."""
         n = 0
         for tok in tokens:
             if tok == NO_TOKEN:  # this request's row had no valid choice: it ends here, alone
@@ -400,6 +404,8 @@ class Engine:
             req.output_token_ids.append(tok)
             if logprobs is not None:
                 req.logprobs.append(logprobs[n])
+            if req.token_sources is not None:
+                req.token_sources.append("target" if sources is None else sources[n])
             n += 1
             self.stats.generation_tokens_total += 1
             try:
@@ -506,19 +512,34 @@ class Engine:
         req.num_emitted = len(req.output_token_ids)
         lps = req.params.logprobs is not None
         plps = req.params.prompt_logprobs is not None
+        srcs, steps, first_step = req.token_sources, req.spec_steps, req.num_emitted_steps
+        if steps is not None:
+            req.num_emitted_steps = len(steps)
         if kind is OutputKind.DELTA:
             token_ids, text = new_ids, new_text
             logprobs = req.logprobs[start:] if lps else None
             # every prompt entry is known once a token is emitted (prefill is over): all in the first output
             prompt_logprobs = (list(req.prompt_logprobs) if start == 0 else []) if plps else None
+            srcs = srcs[start:] if srcs is not None else None
+            steps = steps[first_step:] if steps is not None else None
         else:
             token_ids = list(req.output_token_ids)
             text = detok.text[: req.num_emitted_chars] if detok is not None else ""
             logprobs = list(req.logprobs) if lps else None
             prompt_logprobs = list(req.prompt_logprobs) if plps else None
+            srcs = list(srcs) if srcs is not None else None
+            steps = list(steps) if steps is not None else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, spec_stats=dataclasses.replace(req.spec_stats),
             new_token_ids=new_ids, new_text=new_text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens, first_token_time=req.first_token_time, error=req.error,
+            token_sources=srcs, spec_steps=steps,
         )
+
+
+def note_plain(reqs: list[Request], reason: str) -> None:
+    """A plain decode step for reqs, and why: a SpecStep for those that asked (return_token_sources)."""
+    for r in reqs:
+        if r.spec_steps is not None:
+            r.spec_steps.append(SpecStep("plain", 0, 0, reason))

@@ -48,7 +48,7 @@ from augury.core.request import Request
 from augury.speculative.acceptance import (  # noqa: F401  (constants re-exported for tests and tuning)
     OPTIMISTIC_RATE, PRIOR_RATE, REQ_BACKOFF, REQ_MAX_BACKOFF, Acceptance, Expected, _expected)
 from augury.speculative.arms import TRY_BUDGET, Bucket, bucket_of
-from augury.speculative.policy import StepPlan, TreeShape, user_caps
+from augury.speculative.policy import StepPlan, TreeShape, Why, user_caps
 
 log = logging.getLogger("augury.speculative")
 
@@ -76,6 +76,7 @@ class AdaptivePolicy(Acceptance):
         self.choices: dict[int, int] = {}
         self.rows_planned = 0  # rows of speculative steps the rule decided ...
         self.rows_drafted = 0  # ... and those it let draft
+        self.why: Why = ("measure-plain", 0, 0.0, 0.0)  # what decided the last plan (policy.reason)
 
     # ------------------------------------------------------------------ shapes
     def shape_for(self, depth: int) -> TreeShape:
@@ -104,6 +105,8 @@ class AdaptivePolicy(Acceptance):
             return bk.quiet[3]
         caps = user_caps(reqs)
         if (self.threshold is not None and b > self.threshold) or not any(c != 0 for c in caps):
+            self.why = ("none", 0, 0.0, 0.0) if self.threshold is None or b <= self.threshold \
+                else ("threshold", self.threshold, 0.0, 0.0)
             return StepPlan(None, tuple(0 for _ in reqs))
         owns = [self._own(r) if c != 0 else None for r, c in zip(reqs, caps)]
         bk = self._bucket(bucket_of(b))
@@ -158,7 +161,7 @@ class AdaptivePolicy(Acceptance):
         if self.steps >= until or bk.on or bk.probe is not None or ids != tuple(r.request_id for r in reqs):
             return False
         self._tick(bk)
-        self._count(0, {}, "rule")
+        self._count(0, {}, "rule", self.why)  # (the plain decision it repeats is still the last why)
         self._learn_spread(owns)
         for own in owns:
             if own is not None:
@@ -214,17 +217,17 @@ class AdaptivePolicy(Acceptance):
                 pick = {row: pick[row] for row in rows if row in pick}  # (a chain's depth re-measured
                 #                                                         while speculating: the rule's rows)
                 if pick:
-                    return self._count(bk.probe, pick, "probe")
+                    return self._count(bk.probe, pick, "probe", ("probe", bk.probe, 0.0, 0.0))
             bk.end_probe()
             probed = True
             times = bk.times(depths, self.max_shape.num_steps)
         if times[0] is None:  # plain decoding first: what speculation must beat
-            return self._count(0, {}, "explore")
+            return self._count(0, {}, "explore", ("measure-plain", 0, 0.0, 0.0))
         probe_rows = self._probe_rows(caps, regular)
         if bk.blocked:
             if bk.steps >= bk.probe_at and probe_rows:
                 return self._probe(bk, caps, expected, probe_rows)
-            return self._count(0, {}, "rule")
+            return self._count(0, {}, "rule", ("guard", max(bk.probe_at - bk.steps, 0), 0.0, 0.0))
         d, g, pick = self._best(b, times, caps, expected)
         plain = b / max(times[0], 1e-12)
         on = d > 0 and g > plain * (STAY_MARGIN if bk.on else ON_MARGIN)
@@ -235,7 +238,7 @@ class AdaptivePolicy(Acceptance):
             share = self.drafting_share(b, d, [n for n, _ in pick.values()])
             bk.trying = (max(times[d] / max(times[0], 1e-12), LEAST_DRAFT_COST) - 1.0) * share
             bk.credit -= bk.trying
-            return self._count(d, pick, "rule")
+            return self._count(d, pick, "rule", ("try", d, g, plain))
         if not on and bk.on:
             bk.switch(False)
             self._log(bk, key, on, d, g, plain, times)
@@ -247,17 +250,18 @@ class AdaptivePolicy(Acceptance):
             self._log(bk, key, on, d, g, plain, times)
         bk.switch(on)
         if not on:
-            return self._count(0, {}, "rule")
+            return self._count(0, {}, "rule", ("off", d, g, plain))
         if bk.steps % EXPLORE_EVERY == 0:  # plain decoding, measured while speculating
-            return self._count(0, {}, "explore")
+            return self._count(0, {}, "explore", ("explore", d, g, plain))
         if len(depths) > 1 and bk.steps % DEPTH_EXPLORE_EVERY == EXPLORE_EVERY // 2:
             # a chain: the depth measured longest ago, re-measured afresh
             stale = min((x for x in depths if x != d), key=lambda x: bk.arm(x).last)
             bk.start_probe(stale)
             bk.probe_left -= 1
             whole = self._whole(stale, caps, expected)
-            return self._count(stale, {row: whole[row] for row in pick if row in whole}, "probe")
-        return self._count(d, pick, "rule")
+            return self._count(stale, {row: whole[row] for row in pick if row in whole}, "probe",
+                               ("probe", stale, 0.0, 0.0))
+        return self._count(d, pick, "rule", ("on", d, g, plain))
 
     def _bucket(self, key: int) -> Bucket:
         """The bucket for batch bucket `key`, made on first use. A new bucket next to one where drafting
@@ -323,7 +327,9 @@ class AdaptivePolicy(Acceptance):
         whole = self._whole(bk.probe, caps, expected)
         return self.goodput_of(b, bk.probe, probed, whole) * PROBE_CLEAR < b / t0
 
-    def _count(self, depth: int, pick: dict, kind: str) -> tuple[int, dict, str]:
+    def _count(self, depth: int, pick: dict, kind: str, why: Why) -> tuple[int, dict, str]:
+        """The decision (depth, pick, kind), counted, and why it was taken (self.why)."""
+        self.why = why
         depth = depth if pick else 0
         self.choices[depth] = self.choices.get(depth, 0) + 1
         return depth, pick, kind
@@ -349,7 +355,8 @@ class AdaptivePolicy(Acceptance):
         bk.probe_left -= 1
         log.debug("probing depth %d at batch bucket %d (back-off %d)", depth, bucket_of(len(caps)), bk.backoff)
         whole = self._whole(depth, caps, expected)
-        return self._count(depth, {row: whole[row] for row in rows if row in whole}, "probe")
+        return self._count(depth, {row: whole[row] for row in rows if row in whole}, "probe",
+                           ("probe", depth, 0.0, 0.0))
 
     def _whole(self, depth: int, caps, expected: list[Expected]) -> dict[int, tuple[int, float]]:
         opts = self._options(depth, caps, expected, whole=True)

@@ -11,7 +11,7 @@ import torch
 
 from augury.core.request import Request
 from augury.core.stats import EngineStats
-from augury.speculative.policy import StepPlan, TreeShape
+from augury.speculative.policy import StepPlan, TreeShape, Why
 from augury.speculative.tree import DraftTree
 
 
@@ -48,7 +48,8 @@ class TargetHost(Protocol):
         positions that no one has read), forgotten by the host."""
         ...
 
-    def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None) -> int: ...
+    def commit(self, req: Request, tokens: list[int], logprobs: list[dict] | None = None,
+               sources: list[str] | None = None) -> int: ...
 
     def thread_trials(self) -> int:
         """A counter that grows when a kernel call tries a thread count other than the chosen one
@@ -73,6 +74,7 @@ class Proposer(Protocol):
 
 class SpeculationPolicy(Protocol):
     max_shape: TreeShape  # the configured tree: the most it drafts
+    why: Why  # what decided its last plan (policy.reason words it)
 
     def choose(self, batch_size: int) -> TreeShape | None:
         """The tree to draft this step if every request drafted all of it, or None: decode plainly

@@ -41,6 +41,30 @@ class StepPlan:
         return [] if self.shape is None else [i for i, c in enumerate(self.caps) if c != 0]
 
 
+# A policy's account of its last plan (SpeculationPolicy.why): (what decided it, a depth or a count,
+# drafting's predicted tokens/s, plain decoding's measured tokens/s). A tuple is all a step pays; `reason`
+# words it only for the requests that asked (SamplingParams.return_token_sources).
+Why = tuple[str, int, float, float]
+
+
+def reason(why: Why) -> str:
+    """A policy's Why in words (outputs.SpecStep.reason)."""
+    code, n, g, plain = why
+    rates = f"predicted {g:.1f} tok/s drafting depth {n} vs {plain:.1f} tok/s plain"
+    return {
+        "static": "the configured tree (static policy)",
+        "threshold": f"more requests running than the disable threshold ({n})",
+        "none": "no request in the batch may draft",
+        "measure-plain": "measuring plain decoding first (nothing is assumed about this machine)",
+        "probe": f"probing drafting depth {n}: measuring its step time here",
+        "guard": f"off by the guard: drafting's realized tok/s lost to plain decoding's; probed again in {n} steps",
+        "explore": f"a plain step to keep measuring plain decoding while drafting pays ({rates})",
+        "try": f"a request tried again on an optimistic guess of its acceptance ({rates})",
+        "on": f"on: {rates}",
+        "off": f"off: {rates}" if n else f"off: no request's acceptance pays for drafting ({plain:.1f} tok/s plain)",
+    }.get(code, code)
+
+
 def user_caps(reqs: Sequence[Request]) -> tuple[int | None, ...]:
     """Each request's own SamplingParams.max_draft_tokens (None: no cap, 0: never drafts)."""
     return tuple(r.params.max_draft_tokens for r in reqs)
@@ -50,10 +74,13 @@ class StaticPolicy:
     def __init__(self, shape: TreeShape, disable_batch_threshold: int | None) -> None:
         self.shape = self.max_shape = shape
         self.threshold = disable_batch_threshold
+        self.why: Why = ("static", 0, 0.0, 0.0)
 
     def choose(self, batch_size: int) -> TreeShape | None:
         if self.threshold is not None and batch_size > self.threshold:
+            self.why = ("threshold", self.threshold, 0.0, 0.0)
             return None
+        self.why = ("static", 0, 0.0, 0.0)
         return self.shape
 
     def plan(self, reqs: Sequence[Request]) -> StepPlan:

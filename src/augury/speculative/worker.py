@@ -20,14 +20,15 @@ from augury.config import EngineConfig
 from augury.core.kv_cache import slot_of
 from augury.core.request import Request
 from augury.core.timing import clock
+from augury.outputs import SpecStep
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import MASKED_AT_MOST, LogitsShaper, logits_at_allowed, token_logprobs
 from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.ngram import TokenArray, matched_lookup
-from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape
-from augury.speculative.sources import Source, Tally, tally
+from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape, Why, reason
+from augury.speculative.sources import SOURCE_NAMES, Source, Tally, tally
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
@@ -98,11 +99,13 @@ class Speculator:
             self._thread_changes = changes
             self.policy.costs_changed()
             self.forced_gate.costs_changed()
+        why: Why | None = None  # the policy's account of its plan, when it was asked for one
         if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
             caps: list[int | None] = [0] * len(reqs)
             shape = None
         else:
             plan = self._warm_plan(reqs) if self.warming else self.policy.plan(reqs)
+            why = ("warm-up", 0, 0.0, 0.0) if self.warming else self.policy.why
             shape = plan.shape
             # a request's own cap holds whatever the policy says
             caps = [_tighter(c, r.params.max_draft_tokens) if self._ready(r) else 0 for c, r in zip(plan.caps, reqs)] \
@@ -113,9 +116,17 @@ class Speculator:
         host.stats.last_draft_tokens = shape.num_drafts if shape else 0
         # nodes a proposer may add beyond the shape's: the reservation covers them
         lookahead = shape.num_draft_tokens + self.proposer.extra_nodes if shape is not None else 0
-        if shape is None and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs):
+        # what each row's step is, in words, for the requests that asked (SamplingParams.return_token_sources)
+        notes = self._notes(reqs, caps, why, shape is not None) if any(r.spec_steps is not None for r in reqs) \
+            else None
+        if shape is None and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs, notes):
             return True
         if shape is None or not host.reserve(reqs, lookahead):
+            if notes is not None:
+                short = "no room in the KV cache for this step's drafts"
+                for r, note in zip(reqs, notes):
+                    if r.spec_steps is not None:
+                        r.spec_steps.append(SpecStep("plain", 0, 0, note if shape is None else short))
             host.stats.steps_plain += 1
             return False
         sub = [reqs[i] for i in drafting]
@@ -132,7 +143,7 @@ class Speculator:
         if len(sub) < len(reqs):
             tree = with_root_only_rows(tree, drafting, [r.last_token_id for r, c in zip(reqs, caps) if c == 0])
         tree = grammar_trees(tree, reqs, lookahead)
-        verified = self.verify_and_commit(host, reqs, tree)
+        verified = self.verify_and_commit(host, reqs, tree, notes)
         # the policy learns the acceptance of what its budget bought, the proposer's drafts, in the rows
         # that have any (sources.py: a grammar's forced tokens come whatever it decides, even in a row it
         # left at its root); the step's output counts them all. The row sizes tell it what share of the
@@ -155,7 +166,23 @@ class Speculator:
             return StepPlan(None, tuple(0 for _ in reqs))
         return StaticPolicy(self.policy.max_shape, None).plan(reqs)
 
-    def _forced_only(self, host: TargetHost, reqs: list[Request]) -> bool:
+    def _notes(self, reqs: list[Request], caps: Sequence[int | None], why: Why | None, drafting: bool) -> list[str]:
+        """Per request, why its step drafts what it does (outputs.SpecStep.reason): the policy's reason
+        (policy.reason), or what kept the request out of drafting on its own account."""
+        said = reason(why) if why is not None else ""
+        out = []
+        for r, cap in zip(reqs, caps):
+            if r.params.max_draft_tokens == 0:
+                out.append("this request does not draft (max_draft_tokens 0)")
+            elif not self._ready(r):
+                out.append("the head has no new target feature to draft from yet")
+            elif drafting and cap == 0:
+                out.append(f"left out: its own acceptance does not pay for its drafts ({said})")
+            else:
+                out.append(said)
+        return out
+
+    def _forced_only(self, host: TargetHost, reqs: list[Request], notes: list[str] | None = None) -> bool:
         """No head drafts this step: verify the drafts that cost no draft model alone (free_drafts: the
         tokens a request's grammar forces, keys, punctuation, a fixed value, all but always accepted,
         and prompt lookup where the request's text repeats itself or its prompt), as chains under
@@ -181,7 +208,9 @@ class Speculator:
                           torch.zeros(b, 1, dtype=torch.long))
         tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c, _ in chains],
                             [[src] if c else None for c, src in chains])
-        verified = self.verify_and_commit(host, reqs, tree)
+        if notes is not None:
+            notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
+        verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
         if not self.warming and host.thread_trials() == trials:
             self.forced_gate.observe_forced(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0)
         host.stats.steps_spec += 1
@@ -191,10 +220,13 @@ class Speculator:
         """r can draft now: a proposer reading target features has one it has not seen."""
         return not self.needs_aux or r.num_computed > r.draft_len
 
-    def verify_and_commit(self, host: TargetHost, reqs: list[Request], tree: DraftTree) -> list[tuple[int, Tally]]:
+    def verify_and_commit(self, host: TargetHost, reqs: list[Request], tree: DraftTree,
+                          notes: list[str] | None = None, free: bool = False) -> list[tuple[int, Tally]]:
         """Verify and commit every row; returns, for the rows that drafted (more than a root), the
         row's index and its drafts by source (sources.tally), which the engine's and the request's
-        counters take too."""
+        counters take too. A request that asked (SamplingParams.return_token_sources) is told each
+        committed token's source and the step's SpecStep (notes: per row, its reason; free: the tree
+        holds no proposer drafts, only those that cost no draft model)."""
         dev = host.device
         # rows a budget cut short are verified packed: padding nodes cost no target rows
         hidden, aux = host.verify_forward(reqs, tree.tokens, tree.parents, tree.depth, self.needs_aux, tree.sizes)
@@ -223,10 +255,19 @@ class Speculator:
         for b, (r, toks, path) in enumerate(zip(reqs, committed, res.accepted_nodes)):
             # the root and the accepted drafts are now in the cache, with their target features
             host.advance(r, len(toks), aux[b, path] if aux is not None else None)
-            kept = host.commit(r, toks, lps[b])  # fewer than len(toks) when a stop condition cut it short
+            # toks: the accepted drafts (path[1:]), then the target's own (the bonus token)
+            named = [SOURCE_NAMES[srcs[b][node]] for node in path[1:]] + ["target"] \
+                if r.token_sources is not None else None
+            kept = host.commit(r, toks, lps[b], named)  # fewer than len(toks) when a stop condition cut it short
+            emitted = min(kept, len(path) - 1)  # drafts emitted: all kept but the bonus, or a stop came at a draft
+            note = notes[b] if notes is not None else ("drafts that cost no draft model" if free else "")
             if sizes[b] == 1:  # a root-only row: a plain decode step for this request, not a verification
+                if r.spec_steps is not None:
+                    r.spec_steps.append(SpecStep("plain", 0, 0, note))
                 continue
-            t = tally(pars[b], srcs[b], sizes[b], path, kept - 1)
+            t = tally(pars[b], srcs[b], sizes[b], path, emitted)
+            if r.spec_steps is not None:
+                r.spec_steps.append(SpecStep("draft" if t.depth and not free else "free", sizes[b] - 1, emitted, note))
             verified.append((b, t))
             host.stats.record_verification(t.depth, t.hits, t.drafted, t.accepted)  # the verifier's verdict
             # per request, count what was emitted: len(token_ids) = plain steps + verify steps + accepted
