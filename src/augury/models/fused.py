@@ -6,7 +6,8 @@ kernels, a thread wake-up) as in the arithmetic itself. The fused kernel runs ev
 OpenMP region; this module decides when it may and hands it the addresses once.
 
 It runs when the model is a bfloat16 target whose four projections per layer are int4 linears on
-the w4a8 kernel (the demo's default) or dense bfloat16 linears on the bf16 kernel (models/dense.py:
+the w4a8 kernel (the demo's default), GGUF's native linears (models/native.py: Q4_K on w4a8's
+float32 or super-block form, Q8_0 / Q6_K / Q5_* on w8a8's general form) or dense bfloat16 linears on the bf16 kernel (models/dense.py:
 quantization="none" on CPUs without native bfloat16 GEMMs), without q/k norms, on the CPU, and the step's attention is
 exact rows on augury's attention kernel (decode steps and verified trees; prefill chunks take the
 masked path) over a bfloat16 cache, with no gradient wanted. Everywhere else the layer-by-layer

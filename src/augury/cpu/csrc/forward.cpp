@@ -1,5 +1,6 @@
 // augury's whole layer stack in one call (CPU, bfloat16 activations, int4 weights on the w4a8
-// kernel or dense bfloat16 weights on the bf16 kernel, exact attention rows): what models/llama.py runs layer by layer, operator by operator,
+// kernel (bfloat16, float32 or Q4_K's own scales), int8 weights on w8a8's general form (GGUF's Q8_0,
+// Q6_K, Q5_*) or dense bfloat16 weights on the bf16 kernel, each projection its own kind; exact attention rows): what models/llama.py runs layer by layer, operator by operator,
 // done here inside ONE OpenMP parallel region, so a decode or verification step pays neither
 // Python's nor ATen's per-operator cost (~12 ms of a ~28 ms demo decode step measured before) nor a
 // thread wake-up per operator. Built at first use by models/cpu_kernels.py; models/fused.py

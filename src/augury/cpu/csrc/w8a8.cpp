@@ -15,6 +15,8 @@
 // split the panels), so rows are row-count invariant: a verified node's logits are a decode step's.
 // augury_w8a8_columns computes chosen columns only (the tokens a grammar's mask allows), one at a time
 // with those same integer sums and float operations in the same order: the same bits as the panels'.
+// augury_w8g_linear is the general form (w8a8.h): optional int8 sub-scales per 16 and float32 zeros per
+// group, bfloat16 or float32 out, for GGUF's Q8_0, Q6_K and Q5_* linears (models/native.py).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
