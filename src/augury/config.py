@@ -241,7 +241,7 @@ OPTIONS: tuple[Option, ...] = (
            "converted as they are written (a float32 cache holds a bfloat16 model's exactly, at twice the "
            "memory; a 16-bit cache halves a float32 model's)", metavar="DTYPE"),
     Option("num_kv_blocks", "--num-kv-blocks", int, "KV cache size in blocks; overrides --kv-cache-memory-gb",
-           default_help="from --kv-cache-memory-gb", metavar="N"),
+           default_help="sized automatically, see --kv-cache-memory-gb", metavar="N"),
     Option("block_size", "--block-size", int, "tokens per KV cache block", metavar="N"),
     Option("speculative_algorithm", "--speculative-algorithm", str,
            "speculative decoding: eagle3 (an EAGLE-3 head drafts), ngram (prompt lookup drafts) or none "
