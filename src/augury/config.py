@@ -31,7 +31,7 @@ CPU_ISA_VAR = "AUGURY_CPU_ISA"
 TP_SHM_VAR = "AUGURY_TP_SHM"
 # `augury serve`'s API key when --api-key is not given (a key in the environment stays out of `ps`).
 API_KEY_VAR = "AUGURY_API_KEY"
-ALGORITHMS = ("eagle3", "ngram", "none")
+ALGORITHMS = ("eagle3", "suffix", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -46,7 +46,9 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
-    speculative_ngram_branch: int | None = None  # eagle3: prompt-lookup tokens added to each tree (None = auto)
+    speculative_ngram_branch: int | None = None  # eagle3: suffix-draft nodes added to each tree (None = auto)
+    # tokens of recent outputs the suffix drafts search across requests (0: none; speculative/suffix.py)
+    speculative_suffix_cache_tokens: int = 1 << 18
     speculative_policy: str = "adaptive"
     speculative_disable_batch_threshold: int | None = None
     dtype: str = "auto"
@@ -128,6 +130,10 @@ class EngineConfig:
         b = self.speculative_ngram_branch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 32):
             raise ValueError(f"speculative_ngram_branch must be an integer in [0, 32], got {b!r}")
+        c = self.speculative_suffix_cache_tokens
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 1 << 30:
+            raise ValueError(f"speculative_suffix_cache_tokens must be an integer in [0, {1 << 30}] (0: no "
+                             f"cross-request suffix cache), got {c!r}")
         if self.speculative_algorithm is not None and self.speculative_algorithm not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.speculative_algorithm!r}")
         if self.speculative_policy not in POLICIES:
@@ -244,8 +250,9 @@ OPTIONS: tuple[Option, ...] = (
            default_help="sized automatically, see --kv-cache-memory-gb", metavar="N"),
     Option("block_size", "--block-size", int, "tokens per KV cache block", metavar="N"),
     Option("speculative_algorithm", "--speculative-algorithm", str,
-           "speculative decoding: eagle3 (an EAGLE-3 head drafts), ngram (prompt lookup drafts) or none "
-           "(plain decoding)", default_help="eagle3 when a head is given or shipped, else none", metavar="NAME"),
+           "speculative decoding: eagle3 (an EAGLE-3 head drafts, with suffix drafts grafted), suffix (suffix "
+           "decoding alone: drafts from the request's own text and recent requests' outputs), ngram (prompt "
+           "lookup drafts) or none (plain decoding)", default_help="eagle3 when a head is given or shipped, else none", metavar="NAME"),
     Option("draft_model", "--speculative-draft-model-path", str,
            "EAGLE-3 head folder (the SGLang/vLLM format) to draft with",
            default_help="the head shipped for 'demo', else none", metavar="DIR"),
@@ -257,8 +264,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("speculative_num_draft_tokens", "--speculative-num-draft-tokens", int,
            "draft tree nodes verified per step, the root included", default_help="automatic", metavar="N"),
     Option("speculative_ngram_branch", "--speculative-ngram-branch", int,
-           "eagle3: prompt-lookup tokens grafted onto each draft tree, 0 to 32 (0: off)",
+           "eagle3: suffix-draft nodes grafted onto each draft tree, 0 to 32 (0: off)",
            default_help="automatic", metavar="N"),
+    Option("speculative_suffix_cache_tokens", "--speculative-suffix-cache-tokens", int,
+           "tokens of recent requests' outputs that suffix drafts search (least recently used request "
+           "evicted first; 0: each request's own text only)", metavar="N"),
     Option("speculative_policy", "--speculative-policy", str,
            "how much to draft each step: adaptive (the draft size expected to give the most tokens per "
            "second at the current load, possibly none) or static (always the configured tree)", metavar="NAME"),

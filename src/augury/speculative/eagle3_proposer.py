@@ -17,7 +17,8 @@ from augury.models.eagle3_head import Eagle3Head, default_aux_layers
 from augury.speculative.interface import TargetHost
 from augury.speculative.ngram import lookup
 from augury.speculative.policy import TreeShape
-from augury.speculative.tree import DraftTree, graft_chains, select_tree
+from augury.speculative.suffix import SuffixDrafter
+from augury.speculative.tree import DraftTree, graft_chains, graft_trees, select_tree
 
 EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
 
@@ -28,10 +29,13 @@ class Eagle3Proposer:
     needs_aux = True
 
     def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int,
-                 ngram_branch: int = 0) -> None:
+                 ngram_branch: int = 0, drafter: SuffixDrafter | None = None) -> None:
         self.head = head
-        # prompt lookup adds up to this many tokens to each tree (a branch the head may not see)
+        # text lookup adds up to this many nodes to each tree (what the head may not see: the request's
+        # own text and, with a drafter, recent requests' outputs, as a suffix draft; without one a
+        # prompt-lookup chain)
         self.ngram_branch = ngram_branch
+        self.drafter = drafter
         self.extra_nodes = ngram_branch
         self.aux_layers = head.cfg.aux_layer_ids or default_aux_layers(tcfg.num_layers)
         self.dtype = head.dtype
@@ -197,7 +201,10 @@ class Eagle3Proposer:
             n_cand += k * k
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
                            torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
-        if self.ngram_branch:
+        if self.ngram_branch and self.drafter is not None:
+            drafts = [self.drafter.draft(self.drafter.context(r), self.ngram_branch) for r in reqs]
+            tree = graft_trees(tree, [(d.tokens, d.parents) for d in drafts])
+        elif self.ngram_branch:
             tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
         return tree
 

@@ -215,6 +215,63 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
                      depth=depth_from_parents(parents), source=torch.tensor(srcs, dtype=torch.int8))
 
 
+def graft_trees(tree: DraftTree, grafts: list[tuple[list[int], list[int]]], source: Source = Source.LOOKUP
+                ) -> DraftTree:
+    """Add a draft tree per request (tokens, parents: -1 for a child of the root, parents before
+    children; e.g. a suffix draft) to a batch of trees: each graft node follows the tree while an
+    equal node is there (same parent, same token), the rest hang as new nodes, numbered after the
+    tree's in the graft's order, from `source`. Rows of unequal growth are padded with copies of their
+    root under it, past `sizes` (never offered, verified as no row). Returns the tree unchanged when
+    no graft adds a node."""
+    if len(grafts) != tree.batch_size:
+        raise ValueError(f"graft_trees: {len(grafts)} grafts for {tree.batch_size} trees")
+    sizes = tree.row_sizes()
+    toks, pars, srcs = tree.tokens.tolist(), tree.parents.tolist(), tree.sources().tolist()
+    rows = []
+    for b, (g_tok, g_par) in enumerate(grafts):
+        t, p, s = toks[b][: sizes[b]], pars[b][: sizes[b]], srcs[b][: sizes[b]]
+        kids = {(pp, tt): j for j, (pp, tt) in enumerate(zip(p, t)) if j > 0}
+        at: list[int] = []  # graft node -> tree node
+        for tok, par in zip(g_tok, g_par):
+            parent = 0 if par < 0 else at[par]
+            node = kids.get((parent, tok))
+            if node is None:
+                node = len(t)
+                t.append(tok)
+                p.append(parent)
+                s.append(int(source))
+                kids[parent, tok] = node
+            at.append(node)
+        rows.append((t, p, s))
+    if all(len(t) == n for (t, _, _), n in zip(rows, sizes)):
+        return tree
+    return _padded(rows, tree.tokens.device)
+
+
+def trees_of(roots: list[int], drafts: list[tuple[list[int], list[int]]], source: Source) -> DraftTree:
+    """A batch of trees from each request's root token and its draft (tokens, parents: -1 under the
+    root), every draft node from `source`; rows padded as graft_trees pads them."""
+    rows = [([r] + [int(x) for x in tok], [-1] + [q + 1 if q >= 0 else 0 for q in par],
+             [int(Source.HEAD)] + [int(source)] * len(tok)) for r, (tok, par) in zip(roots, drafts)]
+    return _padded(rows, torch.device("cpu"))
+
+
+def _padded(rows: list[tuple[list[int], list[int], list[int]]], dev: torch.device) -> DraftTree:
+    """Rows (tokens, parents, sources) of one width: shorter ones padded with copies of their root
+    hung under it, past their size (see DraftTree.sizes)."""
+    n = max(len(t) for t, _, _ in rows)
+    out_t, out_p, out_s = [], [], []
+    for t, p, sr in rows:
+        pad = n - len(t)
+        out_t.append(t + [t[0]] * pad)
+        out_p.append(p + [0] * pad)
+        out_s.append(sr + [int(Source.HEAD)] * pad)
+    parents = torch.tensor(out_p, dtype=torch.long, device=dev)
+    return DraftTree(tokens=torch.tensor(out_t, dtype=torch.long, device=dev), parents=parents,
+                     depth=depth_from_parents(parents), sizes=[len(t) for t, _, _ in rows],
+                     source=torch.tensor(out_s, dtype=torch.int8))
+
+
 def cap_trees(tree: DraftTree, caps: list[int | None]) -> DraftTree:
     """Keep at most caps[b] draft nodes in row b (None: no cap): its first caps[b] + 1 nodes,
     which are ancestor-closed (a parent always precedes its child) and, for select_tree's trees,
@@ -300,15 +357,4 @@ def rebuild_rows(tree: DraftTree, plans: list[tuple[list[int], list[tuple[int, l
                 sr.append(int(Source.FORCED) if given is None else int(given[c][k]))
                 at = len(t) - 1
         rows.append((t, p, sr))
-    n = max(len(t) for t, _, _ in rows)
-    out_t, out_p, out_s = [], [], []
-    for t, p, sr in rows:
-        pad = n - len(t)
-        out_t.append(t + [t[0]] * pad)
-        out_p.append(p + [0] * pad)
-        out_s.append(sr + [int(Source.HEAD)] * pad)
-    dev = tree.tokens.device
-    parents = torch.tensor(out_p, dtype=torch.long, device=dev)
-    return DraftTree(tokens=torch.tensor(out_t, dtype=torch.long, device=dev), parents=parents,
-                     depth=depth_from_parents(parents), sizes=[len(t) for t, _, _ in rows],
-                     source=torch.tensor(out_s, dtype=torch.int8))
+    return _padded(rows, tree.tokens.device)

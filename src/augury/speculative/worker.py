@@ -1,6 +1,6 @@
 """The speculative step: ask the policy, draft a tree, verify it in one target forward, commit.
 
-The same verification serves every proposer (EAGLE-3 head, n-gram lookup). Rejected
+The same verification serves every proposer (EAGLE-3 head, suffix decoding, n-gram lookup). Rejected
 nodes' KV sits past each request's committed length and is overwritten next step; the
 accepted path is compacted to consecutive slots, so no block leaks and nothing stale is
 ever attended to.
@@ -8,8 +8,7 @@ ever attended to.
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,17 +25,24 @@ from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import MASKED_AT_MOST, LogitsShaper, logits_at_allowed, token_logprobs
 from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
-from augury.speculative.ngram import TokenArray, matched_lookup
+from augury.speculative.ngram import matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape, Why, reason
 from augury.speculative.sources import SOURCE_NAMES, Source, Tally, tally
+from augury.speculative.suffix import DEFAULT_CACHE_TOKENS, SuffixDrafter
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
 log = logging.getLogger("augury.speculative")
 
 # Auto tree shapes when none is configured: (num_steps, topk, num_draft_tokens).
-AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5)}
-AUTO_NGRAM_BRANCH = 6  # prompt-lookup tokens grafted onto each EAGLE-3 tree when none is configured
+# suffix: one arm for the adaptive policy (a tree's full depth), 7 nodes plus the proposer's extra ones
+AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5), "suffix": TreeShape(4, 2, 8)}
+AUTO_NGRAM_BRANCH = 6  # suffix-draft nodes grafted onto each EAGLE-3 tree when none is configured
+# a batch (up to LOOKUP_BATCH) whose every request has a suffix draft expected to yield this many tokens
+# verifies the suffix drafts alone, without asking the head: at about the head's own yield on unseen text
+# (a 3-level tree, first drafts accepted ~0.4 of the time: ~1-1.5 tokens) a draft that costs no head
+# forward and no catch-up is the better buy; a copy (a file re-emitted, a tool call's shape) scores far above
+SUFFIX_ALONE = 2.0
 FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per request in a step without head drafts
 # the largest batch whose steps without head drafts verify prompt lookup too (above it, forced tokens alone):
 # a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores,
@@ -51,8 +57,12 @@ class Speculator:
     (the engine's `Speculator` protocol), talking to the engine only as a TargetHost."""
 
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, max_num_seqs: int,
-                 catch_up_window: int = 128, warming: bool = False, disable_batch_threshold: int | None = None) -> None:
+                 catch_up_window: int = 128, warming: bool = False, disable_batch_threshold: int | None = None,
+                 drafter: SuffixDrafter | None = None) -> None:
         self.proposer = proposer
+        # suffix drafting (the request's own text and recent requests' outputs) for steps without head
+        # drafts; None: prompt lookup within the request (ngram.matched_lookup)
+        self.drafter = drafter
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         # above it nothing speculative is drafted (the policy drafts nothing, steps without head drafts no
@@ -67,7 +77,7 @@ class Speculator:
         self.warming = warming
         self._warm_steps = 0
         self.forced_gate = ForcedGate()  # forced-only steps where they pay (arms.py)
-        self._tokens: weakref.WeakKeyDictionary[Request, TokenArray] = weakref.WeakKeyDictionary()  # for lookup
+        self._contexts = drafter if drafter is not None else SuffixDrafter(0)  # each request's tokens as an array
         self._thread_changes = 0  # the host's count of thread-count changes when last seen
 
     def after_warmup(self, host: TargetHost) -> None:
@@ -94,11 +104,15 @@ class Speculator:
         When the kernels' chosen thread count has changed since the last step (cpu/threads.py: a
         busy process took a core, or left it), every step time measured so far ran at another speed:
         the policy and the forced-token gate measure afresh."""
+        if self.drafter is not None:
+            self.drafter.notice(reqs)  # the last batch's finished requests join the cross-request cache
         changes = host.thread_changes()
         if changes != self._thread_changes:
             self._thread_changes = changes
             self.policy.costs_changed()
             self.forced_gate.costs_changed()
+        if self._suffix_first(reqs) and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs):
+            return True
         why: Why | None = None  # the policy's account of its plan, when it was asked for one
         if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
             caps: list[int | None] = [0] * len(reqs)
@@ -182,6 +196,25 @@ class Speculator:
                 out.append(said)
         return out
 
+    def _lookup_batch(self, reqs: list[Request]) -> bool:
+        """Steps without head drafts verify text lookup (suffix drafts) for this batch (LOOKUP_BATCH)."""
+        threshold = self.disable_batch_threshold
+        return len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
+
+    def _suffix_first(self, reqs: list[Request]) -> bool:
+        """A head's step whose every request has a suffix draft worth SUFFIX_ALONE tokens: verify those
+        alone (a free-drafts step) rather than draft with the head (the policy is not asked)."""
+        if self.drafter is None or not self.needs_aux or self.warming or not self._lookup_batch(reqs):
+            return False
+        for r in reqs:
+            own = r.params.max_draft_tokens
+            if own == 0:
+                return False
+            limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
+            if self.drafter.draft(self.drafter.context(r), limit).score < SUFFIX_ALONE:
+                return False
+        return True
+
     def _forced_only(self, host: TargetHost, reqs: list[Request], notes: list[str] | None = None) -> bool:
         """No head drafts this step: verify the drafts that cost no draft model alone (free_drafts: the
         tokens a request's grammar forces, keys, punctuation, a fixed value, all but always accepted,
@@ -189,8 +222,7 @@ class Speculator:
         the roots (every other row a plain decode row), instead of a plain decode step. False (and
         nothing done) when no request has such drafts, or the cache is short. Prompt lookup only at
         batches up to LOOKUP_BATCH and the disable threshold; above them forced tokens alone."""
-        threshold = self.disable_batch_threshold
-        lookup = len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
+        lookup = self._lookup_batch(reqs)
         if all(r.params.max_draft_tokens == 0 for r in reqs) or not lookup and not any(
                 r.shaper is not None and r.shaper.has_grammar for r in reqs):
             return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
@@ -199,8 +231,8 @@ class Speculator:
         for r in reqs:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
-            context = self._tokens.setdefault(r, TokenArray()).of(r.all_token_ids) if lookup else None
-            chains.append(free_chain(r.shaper, context, limit, lookup) if limit else ([], []))
+            context = self._contexts.context(r) if lookup else None
+            chains.append(free_chain(r.shaper, context, limit, lookup, self._chain) if limit else ([], []))
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
             return False
         b = len(reqs)
@@ -215,6 +247,10 @@ class Speculator:
             self.forced_gate.observe_forced(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0)
         host.stats.steps_spec += 1
         return True
+
+    def _chain(self, tokens: np.ndarray, limit: int) -> list[int]:
+        """Text lookup's chain for a free-drafts step: the suffix draft's likeliest path, or prompt lookup."""
+        return self.drafter.chain(tokens, limit) if self.drafter is not None else matched_lookup(tokens, limit)
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -382,20 +418,25 @@ def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray
     return free_chain(shaper, context, limit, lookup)[0]
 
 
+Lookup = Callable[[np.ndarray, int], list[int]]  # (tokens, most) -> the chain text lookup drafts after them
+
+
 def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
-               lookup: bool = True) -> tuple[list[int], list[int]]:
+               lookup: bool = True, chain: Lookup | None = None) -> tuple[list[int], list[int]]:
     """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
     at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
     forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
-    prompt and output) and the chain so far (ngram.matched_lookup, as far as its match makes likely),
+    prompt and output) and the chain so far (`chain`: the speculator's suffix drafts, or
+    ngram.matched_lookup, each as far as its match makes likely),
     then the tokens forced after those, and so on; the chain ends at the first lookup token the
     grammar refuses. Without a grammar: prompt lookup alone. lookup=False: the forced tokens alone
     (context unused). JSON answers repeat what they and their
     prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
     demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
     Returns the tokens and each one's Source (FORCED or LOOKUP)."""
+    chain = chain or matched_lookup
     if shaper is None or not shaper.has_grammar:
-        drafts = matched_lookup(context, limit) if lookup else []
+        drafts = chain(np.asarray(context), limit) if lookup else []
         return drafts, [Source.LOOKUP] * len(drafts)
     if not lookup:
         forced = shaper.forced_tokens(limit)
@@ -411,7 +452,7 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
             src += [Source.FORCED] * len(forced)
             if len(out) >= limit:
                 break
-            drafts = matched_lookup(np.concatenate((context, out)) if out else context, limit - len(out))
+            drafts = chain(np.concatenate((context, out)) if out else np.asarray(context), limit - len(out))
             if not drafts:
                 break
             n = len(drafts) + 1  # the chain under the current state: its first prefix the grammar allows
@@ -443,7 +484,8 @@ class DraftPlan:
     disable_batch_threshold: int | None
     head: Eagle3Head | None  # eagle3 only
     target_cfg: TargetConfig
-    ngram_branch: int = 0  # eagle3: prompt-lookup tokens grafted onto each tree
+    ngram_branch: int = 0  # eagle3: suffix-draft nodes grafted onto each tree
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS  # the cross-request suffix cache's bound (0: none)
 
     def kv_bytes_per_token(self) -> int:
         if self.head is None:
@@ -454,14 +496,20 @@ class DraftPlan:
 
     def build(self, num_blocks: int, block_size: int, max_num_seqs: int, warming: bool = False) -> Speculator:
         """warming: the engine runs a warm-up request before traffic (Speculator.after_warmup ends it)."""
+        drafter = SuffixDrafter(self.suffix_cache_tokens)
+        proposer: Proposer
         if self.algorithm == "ngram":
             from augury.speculative.ngram import NgramProposer
 
             proposer = NgramProposer()
+        elif self.algorithm == "suffix":
+            from augury.speculative.suffix_proposer import SuffixProposer
+
+            proposer = SuffixProposer(drafter)
         else:
             from augury.speculative.eagle3_proposer import Eagle3Proposer
 
-            proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size, self.ngram_branch)
+            proposer = Eagle3Proposer(self.head, self.target_cfg, num_blocks, block_size, self.ngram_branch, drafter)
         if self.policy == "adaptive":
             from augury.speculative.adaptive import AdaptivePolicy
 
@@ -470,7 +518,8 @@ class DraftPlan:
         else:
             policy = StaticPolicy(self.shape, self.disable_batch_threshold)
         return Speculator(proposer, policy, max_num_seqs, warming=warming,
-                          disable_batch_threshold=self.disable_batch_threshold)
+                          disable_batch_threshold=self.disable_batch_threshold,
+                          drafter=drafter if self.algorithm != "ngram" else None)
 
 
 def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, dtype: torch.dtype,
@@ -492,7 +541,7 @@ def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, 
     if algo == "ngram":
         if shape.topk != 1:
             raise ValueError("the n-gram proposer drafts chains: speculative_eagle_topk must be 1")
-    else:
+    elif algo != "suffix":
         if draft is None:
             raise ValueError("speculative_algorithm eagle3 needs an EAGLE-3 head (draft_model)")
         from augury.models.eagle3_head import load_eagle3
@@ -504,4 +553,4 @@ def plan_speculation(config: EngineConfig, resolved, model, tcfg: TargetConfig, 
     branch = config.speculative_ngram_branch
     branch = (AUTO_NGRAM_BRANCH if branch is None else branch) if algo == "eagle3" else 0
     return DraftPlan(algo, shape, config.speculative_policy, config.speculative_disable_batch_threshold, head, tcfg,
-                     branch)
+                     branch, config.speculative_suffix_cache_tokens)
