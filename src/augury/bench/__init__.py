@@ -67,6 +67,7 @@ class AugurySystem:
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
         self.schemas = dict(settings.json_schemas) if constrained else {}
+        self._answered: set[tuple[int, ...]] = set()  # prompts answered since the suffix cache was emptied
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -119,6 +120,16 @@ class AugurySystem:
         # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
         # so the repeats would compare different work; `--workload document` measures the cache)
         self.llm.engine.reset_prefix_cache()
+        # nor their answers in the cross-request suffix cache (the same greedy answer would be drafted
+        # whole): it is emptied when a prompt comes again, so a run's requests draft from earlier ones of
+        # the same run only (extraction to one schema across documents), never from their own last answer
+        keys = {tuple(p) for p in prompts}
+        if keys & self._answered:
+            self._answered.clear()
+            drafter = self.llm.engine.speculator.drafter if self.llm.engine.speculator is not None else None
+            if drafter is not None:
+                drafter.clear()
+        self._answered |= keys
         mask0, t0 = self._mask_seconds(), time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.seconds += time.perf_counter() - t0
@@ -343,6 +354,13 @@ SYSTEMS: dict[str, SystemFactory] = {
     "augury-static": _speculative("augury-static", speculative_algorithm="eagle3", speculative_policy="static"),
     "augury-adaptive": _speculative("augury-adaptive", speculative_algorithm="eagle3", speculative_policy="adaptive"),
     "augury-ngram": lambda s: AugurySystem(s, "augury-ngram", speculative_algorithm="ngram", speculative_policy="static"),
+    # suffix decoding alone (no head: the request's own text and earlier requests' outputs), adaptive / static
+    "augury-suffix": lambda s: AugurySystem(s, "augury-suffix", speculative_algorithm="suffix"),
+    "augury-suffix-static": lambda s: AugurySystem(s, "augury-suffix-static", speculative_algorithm="suffix",
+                                                   speculative_policy="static"),
+    # the default without the cross-request suffix cache (each request's own text only)
+    "augury-default-nocache": lambda s: AugurySystem(s, "augury-default-nocache", speculative_suffix_cache_tokens=0,
+                                                     **_head(s)),
     # the default LLM(model): speculation as configured by default (the demo: its head, adaptive)
     "augury-default": lambda s: AugurySystem(s, "augury-default", **_head(s)),
     "llama.cpp": LlamaCppSystem,

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from augury.bench import SHAPED, SYSTEMS, System, SystemSettings, count_parameters, random_llama, system_factory
+from augury.bench.workloads import WORKLOADS
 from augury.config import OPTION, add_flags, one_line
 
 PROG = "augury bench"
@@ -53,7 +54,8 @@ class BenchSettings:
     systems: tuple[str, ...] = ("transformers", "augury")
     # random token ids, "chat": held-out chat prompts through the chat template, "varied": the varied
     # held-out set (prompts.VARIED_PROMPTS, acceptance also reported per kind), "mixed", or "json" (answers
-    # constrained to a JSON schema each: bench/json_prompts.py)
+    # constrained to a JSON schema each: bench/json_prompts.py), or a workload speculation is used for
+    # (code_edit, agentic, summarise, extract: bench/workloads.py)
     prompts: str = "random"
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
@@ -357,6 +359,15 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
         chat, texts = json_chat_prompts(tokenizer, settings.num_prompts)
         schemas = tuple((tuple(p), t) for p, t in zip(chat, texts))
         prompt_len = max(len(p) for p in chat)
+    if settings.prompts in WORKLOADS:
+        from augury.bench.workloads import workload_prompts
+        from augury.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(folder))
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"--prompts {settings.prompts} needs a model with a tokenizer and a chat template")
+        chat = workload_prompts(tokenizer, settings.prompts, settings.num_prompts, settings.seed)
+        prompt_len = max(len(p) for p in chat)
     if settings.prompts in ("chat", "mixed", "varied"):
         from augury.bench import chat_prompts, mixed_prompts, varied_chat_prompts
         from augury.models.tokenizer import load_tokenizer
@@ -484,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(d.systems), help=f"first is the reference; known: {', '.join(SYSTEMS)}; "
                    f"{' and '.join(SHAPED)} take a tree shape, e.g. {SHAPED[0]}:5-4-12 (num_steps-topk-num_draft_tokens), "
                    f"and a prompt-lookup branch, e.g. {SHAPED[0]}:3-4-8+6")
-    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "varied", "mixed", "json"],
+    p.add_argument("--prompts", default=d.prompts, choices=["random", "chat", "varied", "mixed", "json", *WORKLOADS],
                    help="random token ids; chat: held-out prompts of the training templates' split, through the "
                    "model's chat template; varied: the varied held-out set (code, SQL and shell, maths, recipes, "
                    "poems, rewriting, data formats, advice, copying; acceptance reported per kind), which no "
