@@ -49,6 +49,17 @@ class System(Protocol):
     def close(self) -> None: ...
 
 
+def _kv_blocks_for(settings: SystemSettings) -> int:
+    """Room for the whole batch at the longest request (a draft tree past it included): a throughput
+    measurement must never preempt (the automatic size is 2 requests of the full context,
+    core/kv_budget.py). Its pages are taken as they are written, so the rows that run are what it costs."""
+    from augury.builder import DRAFT_SLACK
+    from augury.config import EngineConfig
+
+    size = EngineConfig().block_size  # the default: the benchmark never sets another
+    return settings.max_batch_size * -(-(settings.max_len + DRAFT_SLACK) // size) + 1
+
+
 class AugurySystem:
     """augury's LLM at the benchmark's temperature; extra keyword arguments go to LLM (EngineConfig fields)."""
 
@@ -60,7 +71,8 @@ class AugurySystem:
         self.name = name
         kwargs: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device,
                                       max_num_seqs=settings.max_batch_size, max_model_len=settings.max_len,
-                                      log_stats_interval=0.0, quantization=settings.quantization)
+                                      log_stats_interval=0.0, quantization=settings.quantization,
+                                      num_kv_blocks=_kv_blocks_for(settings))
         if settings.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = settings.tensor_parallel_size
         kwargs.update(engine_kwargs)
