@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hmac
 import time
+from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -26,6 +27,7 @@ from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from augury.server.ops import RequestContext, add_cors, request_id
+from augury.server.provenance import asked, whole
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
 from augury.server.tokenize import add_token_routes
 from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
@@ -36,7 +38,8 @@ DISCARD_AT_MOST = 4 * MAX_BODY_BYTES  # of a body over the limit, read and dropp
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})  # served without the key
+# served without the key: probes, and the playground page (it holds no data; its API calls carry the key)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/"})
 # checks nothing (KeyCheck has, before the body): it puts the Bearer scheme in /openapi.json for /docs
 _bearer = HTTPBearer(auto_error=False)
 
@@ -127,6 +130,11 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+def playground_page() -> str:
+    """The playground's one file (static/playground.html, shipped as package data)."""
+    return resources.files("augury.server").joinpath("static/playground.html").read_text(encoding="utf-8")
+
+
 def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool = False,
                allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; /docs, /redoc and /openapi.json only with enable_docs (behind the key like the rest);
@@ -161,6 +169,12 @@ def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    page = playground_page()
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground() -> Response:  # one static file: chat, speculation at work (static/playground.html)
+        return HTMLResponse(page)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -209,6 +223,11 @@ def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool
             lps = await state.on_tokenizer_thread(lambda: [logprobs(tok, i, o) for i, o in enumerate(outs)])
         choices = [{"index": i, "logprobs": lps[i], "finish_reason": o.finish_reason, **choice(i, o)}
                    for i, o in enumerate(outs)]  # choice() may name another finish reason (tool_calls)
+        if asked(job.params):  # augury's extension (provenance.py)
+            tok, skip = state.tokenizer, job.params[0].skip_special_tokens
+            extras = await state.on_tokenizer_thread(lambda: [whole(tok, o, skip) for o in outs])
+            for c, extra in zip(choices, extras):
+                c["augury"] = extra
         return JSONResponse({"id": job.request_id, "object": obj, "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
                              "usage": usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs), outs)})

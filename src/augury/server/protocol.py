@@ -56,6 +56,7 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
     max_draft_tokens: StrictInt | None = None  # extension (augury): this request's draft budget, 0 = no speculation
+    return_token_sources: bool | None = False  # extension (augury): each token's source, each step's (provenance.py)
     # extensions (vLLM): honoured
     min_tokens: StrictInt | None = None
     include_stop_str_in_output: bool | None = False

@@ -238,6 +238,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
                                 seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
                                 ignore_eos=bool(req.ignore_eos), max_draft_tokens=req.max_draft_tokens,
+                                return_token_sources=bool(req.return_token_sources),
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                 presence_penalty=req.presence_penalty or 0.0,
                                 frequency_penalty=req.frequency_penalty or 0.0,

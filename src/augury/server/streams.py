@@ -24,6 +24,7 @@ from augury.outputs import RequestOutput
 from augury.server.engine_loop import EngineUnavailable, RequestFailed, RequestGroup
 from augury.server.errors import APIError, error_body
 from augury.server.logprobs import chat_logprobs, completion_logprobs
+from augury.server.provenance import HeldProvenance, asked
 from augury.server.serving import Job, ServerState
 from augury.structured.tools import ToolCallStream
 
@@ -186,6 +187,11 @@ def _usage_field(job: Job, include_usage: bool, generated: int) -> dict[str, Any
     return {"usage": None} if include_usage else {}
 
 
+def _provenance(job: Job) -> HeldProvenance | None:
+    """The stream's holder of augury's extension (provenance.py), None when the request did not ask."""
+    return HeldProvenance(job.params[0].skip_special_tokens) if asked(job.params) else None
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -197,6 +203,7 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
     observe, generated, finals = _Observer(state, t0), 0, []
     started: set[int] = set()  # choices whose first chunk went out
     held = _HeldLogprobs()
+    prov = _provenance(job)
     offset: dict[int, int] = {}  # per choice: text_offset of its next token
     try:
         async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
@@ -206,8 +213,11 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
             if out.finished:
                 finals.append(out)
             held.add(index, out)
+            if prov is not None:  # augury's extension (provenance.py): decoded on the tokenizer thread
+                await state.on_tokenizer_thread(prov.add, state.tokenizer, index, out)
             first = index not in started
-            if not out.new_text and not out.finished and not (first and job.echo):
+            if not out.new_text and not out.finished and not (first and job.echo) \
+                    and not (prov is not None and prov.pending(index)):
                 continue
             started.add(index)
             text, logprobs = out.new_text, None
@@ -222,9 +232,10 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
                                                            offset.get(index, 0))
                 if logprobs["tokens"]:
                     offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            chunk = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                          "finish_reason": out.finish_reason}],
-                     **_usage_field(job, include_usage, generated)}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            if prov is not None and prov.pending(index):
+                choice["augury"] = prov.take(index)
+            chunk = {**base, "choices": [choice], **_usage_field(job, include_usage, generated)}
             yield _sse(chunk)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
@@ -249,6 +260,7 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
                     "finish_reason": None}
             yield _sse({**base, "choices": [role], **_usage_field(job, include_usage, generated)})
         held = _HeldLogprobs()
+        prov = _provenance(job)
         async for index, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
             job.note(out)
@@ -256,7 +268,9 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             if out.finished:
                 finals.append(out)
             held.add(index, out)
-            if not out.new_text and not out.finished:
+            if prov is not None:  # augury's extension (provenance.py): decoded on the tokenizer thread
+                await state.on_tokenizer_thread(prov.add, state.tokenizer, index, out)
+            if not out.new_text and not out.finished and not (prov is not None and prov.pending(index)):
                 continue
             finish = out.finish_reason
             if job.parse_tools:
@@ -270,12 +284,15 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             if job.logprobs is not None:  # every token not sent yet, whether or not it showed text
                 ids, entries = held.take(index)
                 logprobs = await state.on_tokenizer_thread(chat_logprobs, state.tokenizer, ids, entries, job.logprobs)
-            if not deltas and (finish is not None or logprobs is not None):
+            extension = prov.take(index) if prov is not None else None
+            if not deltas and (finish is not None or logprobs is not None or extension is not None):
                 deltas = [{}]
             for i, delta in enumerate(deltas):
                 last = i == len(deltas) - 1
                 choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None,
                           "finish_reason": finish if last else None}
+                if last and extension is not None:
+                    choice["augury"] = extension
                 yield _sse({**base, "choices": [choice], **_usage_field(job, include_usage, generated)})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(job.prompt_tokens, generated, finals)})
