@@ -70,7 +70,7 @@ def kernel_out(m: torch.nn.Module, x: torch.Tensor, kernels=None) -> torch.Tenso
     """The module's kernel in float32 (no output rounding), optionally another build's kernels (w4, w8)."""
     w4, w8 = kernels or (cpu_kernels.w4a8(), cpu_kernels.w8a8())
     if isinstance(m, native.W4KLinear):
-        return w4.linear_k(x, m.codes, m.sm, m.dd, out_dtype=torch.float32)
+        return w4.linear_k(x, m.codes, m.sm, m.dd, m.high, out_dtype=torch.float32)
     if isinstance(m, native.W4FLinear):
         return w4.linear(x, m.codes, m.scale, m.zero, out_dtype=torch.float32)
     return w8.linear_general(x, m.codes, m.scale, m.zero, m.sub, out_dtype=torch.float32)
@@ -87,7 +87,7 @@ def test_decoded_values_are_gguf_py_dequantize_to_the_bit(qtype) -> None:
     want = reference(raw, qtype)
     assert np.isfinite(want).all() and np.unique(want).size > 512  # not degenerate
     kind, parts = gguf_blocks.decode(raw, qtype)
-    assert kind == ("q4k" if qtype == QT.Q4_K else "q8g")
+    assert kind == {QT.Q4_K: "q4k", QT.Q5_K: "q5k"}.get(qtype, "q8g")
     assert same_bits(gguf_blocks.values(parts), want)
 
 
@@ -97,7 +97,7 @@ def test_native_linear_holds_the_values_and_its_kernel_multiplies_them(qtype) ->
     raw = blocks(qtype, 48, 512, seed=3 + int(qtype))
     want = reference(raw, qtype)
     m = module(raw, qtype)
-    assert isinstance(m, native.W4KLinear if qtype == QT.Q4_K else native.W8GLinear)
+    assert isinstance(m, native.W4KLinear if qtype in (QT.Q4_K, QT.Q5_K) else native.W8GLinear)
     assert same_bits(m.dequantize(), want)  # packed and unpacked: the format's values exactly
     x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
     x[2, :32] = 0.0  # an all-zero group
@@ -157,19 +157,26 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
 
 
 @needs_kernels
-def test_q4_k_in_its_own_scales_gives_the_float32_forms_bits() -> None:
-    """W4KLinear computes d sc and -dmin m in the kernel; W4FLinear reads them precomputed in float32:
-    the same numbers, so the same bits, at 4.625 against 6 bits a weight."""
-    kind, p = gguf_blocks.decode(blocks(QT.Q4_K, 64, 768, seed=11), QT.Q4_K)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+def test_k_quants_in_their_own_scales_give_the_float_forms_bits(qtype) -> None:
+    """W4KLinear computes d sc and -dmin m in the kernel; W4FLinear (Q4_K) and W8GLinear (Q5_K, as int8
+    codes) read them precomputed in float32: the same numbers and integer sums, so the same bits, at
+    4.625 (Q4_K) or 5.625 (Q5_K) bits a weight against 6 and 10."""
+    kind, p = gguf_blocks.decode(blocks(qtype, 64, 768, seed=11), qtype)
     p = {k: torch.from_numpy(v) for k, v in p.items()}
     k4 = native.build([kind], [p], None, torch.bfloat16, torch.device("cpu"))
-    f4 = native.build(["q4k", "int4"], [p, {"codes": torch.zeros(16, 768, dtype=torch.int32),
-                                           "scale": torch.ones(16, 24), "zero": torch.zeros(16, 24)}],
-                      None, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(k4, native.W4KLinear) and isinstance(f4, native.W4FLinear)
-    assert sum(t.numel() * t.element_size() for t in k4.buffers()) * 8 / (64 * 768) == 4.625
+    if qtype == QT.Q4_K:
+        other = ["int4", {"codes": torch.zeros(16, 768, dtype=torch.int32), "scale": torch.ones(16, 24),
+                          "zero": torch.zeros(16, 24)}]
+    else:
+        other = ["q8g", {"codes": torch.zeros(16, 768, dtype=torch.int8), "scale": torch.ones(16, 24)}]
+    wide = native.build([kind, other[0]], [p, other[1]], None, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(k4, native.W4KLinear) and (k4.high is None) == (qtype == QT.Q4_K)
+    assert isinstance(wide, native.W4FLinear if qtype == QT.Q4_K else native.W8GLinear)
+    bits = sum(t.numel() * t.element_size() for t in k4.buffers()) * 8 / (64 * 768)
+    assert bits == (4.625 if qtype == QT.Q4_K else 5.625)
     x = (torch.randn(7, 768, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
-    assert torch.equal(kernel_out(k4, x), kernel_out(f4, x)[:, :64])
+    assert torch.equal(kernel_out(k4, x), kernel_out(wide, x)[:, :64])
 
 
 _LEVELS = [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)]
@@ -246,7 +253,7 @@ def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, 
     assert not any("running dense" in r.getMessage() for r in caplog.records)
     l0, l1 = model.layers
     assert isinstance(l0.self_attn.qkv_proj, native.W8GLinear) and l0.self_attn.qkv_proj.sub is not None  # Q4_K + Q6_K
-    assert isinstance(l1.self_attn.qkv_proj, native.W8GLinear) and l1.self_attn.qkv_proj.sub is None  # Q4_K + Q5_K
+    assert isinstance(l1.self_attn.qkv_proj, native.W4KLinear) and l1.self_attn.qkv_proj.high is not None  # Q4_K + Q5_K
     assert isinstance(l0.mlp.gate_up_proj, native.W4KLinear) and isinstance(l0.self_attn.o_proj, native.W4KLinear)
     assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
     assert isinstance(l0.mlp.down_proj, native.W8GLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)

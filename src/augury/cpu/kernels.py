@@ -101,7 +101,8 @@ class W4A8:
                          [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
         self._fn_f32 = _bind(self._lib, "augury_w4f_linear",
                              [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
-        self._fn_k = _bind(self._lib, "augury_w4k_linear", [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
+        self._fn_k = _bind(self._lib, "augury_w4k_linear",
+                           [_P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -130,27 +131,41 @@ class W4A8:
     @staticmethod
     def pack_k(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
                m: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """GGUF Q4_K in its own scales: codes [N, K] 0..15, d / dmin [N, K / 256] float16, sc / m [N, K / 32]
-        integers 0..63 (w = d sc q - dmin m) -> (codes [N / 16, G, 256] uint8 as pack()'s, sm [N / 16, G, 32]
-        uint8: the panel's 16 sc then its 16 m, dd [N / 16, G / 8, 32] float16: 16 d then 16 dmin)."""
+        """GGUF Q4_K / Q5_K in their own scales: codes [N, K] 0..15 (Q4_K) or 0..31 (Q5_K), d / dmin
+        [N, K / 256] float16, sc / m [N, K / 32] integers 0..63 (w = d sc q - dmin m) -> (codes [N / 16, G,
+        256] uint8 as pack()'s (the low four bits), sm [N / 16, G, 32] uint8: the panel's 16 sc then its
+        16 m, dd [N / 16, G / 8, 32] float16: 16 d then 16 dmin, high [N / 16, G, 64] uint8 or None: the
+        fifth bits, byte 4 c + j's bit 2 b + plane for the code in that nibble of pack()'s block b)."""
         n, k = codes.shape
         if k % (8 * GROUP) or n % PANEL:
             raise ValueError(f"Q4_K needs in_features % 256 == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
         g, p = k // GROUP, n // PANEL
-        nib = W4A8.pack(codes, torch.zeros(n, g), torch.zeros(n, g))[0]
+        c = codes.cpu().numpy().astype(np.uint8)
+        nib = W4A8.pack(torch.from_numpy(c & 0x0F), torch.zeros(n, g), torch.zeros(n, g))[0]
+        high = None
+        if (c > 15).any():
+            # [panel, column, group, block, plane, j] -> [panel, group, column, j, block, plane]
+            h = (c >> 4).reshape(p, PANEL, g, 4, 2, 4).transpose(0, 2, 1, 5, 3, 4).reshape(p, g, PANEL, 4, 8)
+            weights = (1 << np.arange(8, dtype=np.uint8))  # bit 2 b + plane
+            high = torch.from_numpy(np.ascontiguousarray((h * weights).sum(-1).astype(np.uint8)).reshape(p, g, 64))
 
         def pair(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tensor:
             # [N, groups] twice -> [P, groups, 32]: per panel and group the 16 columns of a, then of b
             t = torch.stack([a.to(dtype).reshape(p, PANEL, groups), b.to(dtype).reshape(p, PANEL, groups)], 1)
             return t.permute(0, 3, 1, 2).reshape(p, groups, 2 * PANEL).contiguous()
 
-        return nib, pair(sc, m, torch.uint8, g), pair(d, dmin, torch.float16, g // 8)
+        return nib, pair(sc, m, torch.uint8, g), pair(d, dmin, torch.float16, g // 8), high
 
     @staticmethod
-    def unpack_k(codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def unpack_k(codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor,
+                 high: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """pack_k()'s inverse: (codes [N, K], d [N, K / 256], dmin, sc [N, K / 32], m)."""
         p, g, _ = codes.shape
         c = W4A8.unpack(codes, torch.zeros(p, g, PANEL), torch.zeros(p, g, PANEL))[0]
+        if high is not None:
+            bits = (high.view(p, g, PANEL, 4, 1).to(torch.int32) >> torch.arange(8)) & 1  # [p, g, col, j, 2 b + plane]
+            bits = bits.view(p, g, PANEL, 4, 4, 2).permute(0, 2, 1, 4, 5, 3).reshape(p * PANEL, g * GROUP)
+            c = c | (bits.to(c.dtype) << 4)
 
         def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             u = t.view(p, t.shape[1], 2, PANEL).permute(2, 0, 3, 1).reshape(2, p * PANEL, t.shape[1])
@@ -160,7 +175,7 @@ class W4A8:
         return c, d, dmin, sc, m
 
     def linear_k(self, x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 high: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: Q4_K in its
         own scales (pack_k's panels), the bits linear() gives the same weights with float32 scales."""
         if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
@@ -174,10 +189,12 @@ class W4A8:
             raise ValueError(f"w4a8 (Q4_K): input has {k} features, the weights {g * GROUP} (a multiple of 256)")
         _expect("w4a8", "sc and m", sm, (torch.uint8,), (p, g, 2 * PANEL))
         _expect("w4a8", "d and dmin", dd, (torch.float16,), (p, g // 8, 2 * PANEL))
+        if high is not None:
+            _expect("w4a8", "high bits", high, (torch.uint8,), (p, g, 4 * PANEL))
         out_dtype = out_dtype or x.dtype
         y = torch.empty(m, p * PANEL, dtype=out_dtype)
         rc = self._fn_k(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), sm.data_ptr(),
-                        dd.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+                        dd.data_ptr(), None if high is None else high.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y

@@ -18,8 +18,9 @@ described by `INT4_INDEX`: each tensor's kind, models/native.py), rows in HF ord
   w = (q - 8) * scale + zero, the int4 kernel's convention: Q4_0 (value d*(q-8)) is scale d,
   zero 0; Q4_1 (value d*q + m) is scale d, zero m + 8d.
 - Q4_K ("q4k"): codes as int4's, its own scales d and dmin float16 [N, K/256], sc and m uint8
-  [N, K/32] (6-bit), w = d * sc * q - dmin * m.
-- Q8_0, Q6_K, Q5_0, Q5_1, Q5_K ("q8g"): codes int8 [N, K], scale float32 [N, K/32], and where the
+  [N, K/32] (6-bit), w = d * sc * q - dmin * m; Q5_K ("q5k") the same with the codes' fifth bits in
+  `<name>.high` uint8 [N, K/8] (bit j of byte i: column 8i + j).
+- Q8_0, Q6_K, Q5_0, Q5_1 ("q8g"): codes int8 [N, K], scale float32 [N, K/32], and where the
   format has them zero float32 [N, K/32] and sub int8 [N, K/16], w = scale * sub * q + zero, exact
   (models/gguf_blocks.py).
 Other types (IQ*, Q2_K, Q3_K, ...) are only in the dense file; the loader runs them dense and says so.
@@ -118,9 +119,11 @@ def _native_parts(t: Any) -> tuple[str | None, dict[str, torch.Tensor]]:
     block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
     blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
     kind, parts = gguf_blocks.decode(blocks, t.tensor_type)
-    if kind == "q4k":  # two codes a byte, as int4's
+    if kind in ("q4k", "q5k"):  # the low four bits two a byte, as int4's; Q5_K's fifth bits eight a byte
         q = parts["codes"]
-        parts["codes"] = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        parts["codes"] = ((q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
+        if kind == "q5k":
+            parts["high"] = np.packbits(q >> 4, axis=1, bitorder="little")  # [N, K/8]: bit j of byte i = k 8i + j
     return kind, {k: torch.from_numpy(v) for k, v in parts.items()}
 
 
@@ -221,6 +224,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
             save_file(int4, str(staging / INT4_FILE), metadata={"format": INT4_FORMAT})
             index = {"format": INT4_FORMAT, "file": INT4_FILE, "group_size": _QK4,
                      "value": {"int4": "(q - 8) * scale + zero", "q4k": "d * sc * q - dmin * m",
+                               "q5k": "d * sc * (q + 16 * high) - dmin * m",
                                "q8g": "scale * sub * q + zero"},
                      "int4": sorted(n for n, k in kinds.items() if k == "int4"),
                      "kinds": kinds, "source_types": source_types}

@@ -7,7 +7,8 @@ the weight is a run of blocks), and returns its values as
 
 with codes int8 [N, K] (or 0..15 for the 4-bit kinds), scale and zero float32 [N, K / 32], sub int8
 [N, K / 16]; zero and sub None where the format has none (0 and 1). Q4_K keeps its own scales
-instead: d and dmin float16 [N, K / 256], sc and m uint8 [N, K / 32], w = d sc q - dmin m. Every product is exact in
+instead (and Q5_K, its codes 0..31): d and dmin float16 [N, K / 256], sc and m uint8 [N, K / 32],
+w = d sc q - dmin m. Every product is exact in
 float32 (an f16 d times a 6-bit or int8 scale times a code of at most 6 bits needs at most 24
 significant bits) and the zero is added once, so these are gguf-py's `dequantize` values to the
 bit (tests/test_gguf_kquants.py). Layouts as ggml defines them (ggml-common.h's block_q*):
@@ -105,11 +106,10 @@ def q4_k(blocks: np.ndarray) -> Parts:
 
 def q5_k(blocks: np.ndarray) -> Parts:
     n, b = blocks.shape[:2]
-    scale, zero = _k_scales(blocks)
     qh = blocks[..., 16:48].reshape(n, b, 1, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # [N, B, 8, 32]
-    q = (_k_low(blocks[..., 48:176]) | (high << 4)).astype(np.int8)
-    return {"codes": q.reshape(n, -1), "scale": scale, "zero": zero}
+    q = _k_low(blocks[..., 48:176]) | (high << 4)
+    return {"codes": q.reshape(n, -1), **_k_own_scales(blocks)}
 
 
 def q6_k(blocks: np.ndarray) -> Parts:
@@ -124,14 +124,14 @@ def q6_k(blocks: np.ndarray) -> Parts:
     return {"codes": q.reshape(n, -1), "scale": _per_group(d, 8), "sub": sub}
 
 
-# type -> (decoder, kind): "q4k" (4-bit codes 0..15 with Q4_K's own scales, w4a8's super-block form)
-# or "q8g" (int8 codes, the w8a8 kernel's general form); models/native.py runs them.
+# type -> (decoder, kind): "q4k" / "q5k" (codes 0..15 / 0..31 with Q4_K's / Q5_K's own scales, w4a8's
+# super-block form) or "q8g" (int8 codes, the w8a8 kernel's general form); models/native.py runs them.
 DECODERS = {
     _T.Q8_0: (q8_0, "q8g"),
     _T.Q5_0: (q5_0, "q8g"),
     _T.Q5_1: (q5_1, "q8g"),
     _T.Q4_K: (q4_k, "q4k"),
-    _T.Q5_K: (q5_k, "q8g"),
+    _T.Q5_K: (q5_k, "q5k"),
     _T.Q6_K: (q6_k, "q8g"),
 }
 
@@ -141,7 +141,7 @@ def decode(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[str, P
     fn, kind = DECODERS[qtype]
     parts = fn(blocks)
     out = {k: np.ascontiguousarray(v) for k, v in parts.items()}
-    out["codes"] = out["codes"].astype(np.uint8 if kind == "q4k" else np.int8)
+    out["codes"] = out["codes"].astype(np.uint8 if kind in ("q4k", "q5k") else np.int8)
     return kind, out
 
 

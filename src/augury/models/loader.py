@@ -5,11 +5,11 @@ tensor in the checkpoint must be used: anything else is a ValueError naming the 
 """
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -258,10 +258,14 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
             kind, part = kinds[n], parts.get(n)
             g = quant.INT4_GROUP
             out = {k: _read_part(f, f"{n}.{k}", part, per) for k, per in
-                   (("codes", 2 if kind in ("int4", "q4k") else 1), ("scale", g), ("zero", g), ("sub", g // 2),
-                    ("d", 8 * g), ("dmin", 8 * g), ("sc", g), ("m", g)) if f"{n}.{k}" in stored}
-            if kind in ("int4", "q4k"):
+                   (("codes", 2 if kind in ("int4", "q4k", "q5k") else 1), ("scale", g), ("zero", g),
+                    ("sub", g // 2), ("d", 8 * g), ("dmin", 8 * g), ("sc", g), ("m", g), ("high", 8))
+                   if f"{n}.{k}" in stored}
+            if kind in ("int4", "q4k", "q5k"):
                 out["codes"] = quant.unpack_codes(out["codes"])
+            if "high" in out:  # Q5_K's fifth bits, eight a byte
+                bits = np.unpackbits(out.pop("high").numpy(), axis=1, bitorder="little")
+                out["codes"] = out["codes"] | (torch.from_numpy(bits.astype(np.int32)) << 4)
             return out
 
         for path, names in fused_linears(model).items():
@@ -270,7 +274,7 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
             new: torch.nn.Module | None = None
             # whole groups of 32 along the input (of 256 for Q4_K's super-blocks)
             whole_groups = all(p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
-                               ((parts.get(n), 256 if kinds.get(n) == "q4k" else quant.INT4_GROUP) for n in names))
+                               ((parts.get(n), 256 if kinds.get(n) in ("q4k", "q5k") else quant.INT4_GROUP) for n in names))
             part_kinds = [kinds.get(n, "dense") for n in names]
             output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
             if whole_groups and not output_q8 and native.plan(part_kinds) is not None:
@@ -282,7 +286,7 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                 # packed where it runs, for the kernel the dtype and device choose
                 new = native.build(part_kinds, blocks, getattr(dense, "bias", None), dtype, device)
                 count += new is not None
-            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k") and \
+            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k", "q5k") and \
                     (exact := native.output_layer(part_kinds[0], read(names[0]), dtype, device)) is not None:
                 new = exact  # Q8_0 as it is; Q6_K / Q5_* requantised from their exact values
                 count += sources.get(names[0]) == "Q8_0"

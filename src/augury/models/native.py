@@ -31,7 +31,7 @@ from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8Out
 
 log = logging.getLogger(__name__)
 
-KINDS = ("int4", "q4k", "q8g")
+KINDS = ("int4", "q4k", "q5k", "q8g")
 # forward.cpp's projection kinds (its Kind enum)
 FUSED_W4F, FUSED_W8G, FUSED_W4K = 2, 3, 4
 
@@ -83,7 +83,7 @@ class W4FLinear(_QuantLinear):
 
 
 class W4KLinear(_QuantLinear):
-    """GGUF's Q4_K in its own scales, w = d sc q - dmin m (d, dmin float16 per 256; sc, m 6-bit per 32),
+    """GGUF's Q4_K (and Q5_K, its codes' fifth bits beside) in its own scales, w = d sc q - dmin m (d, dmin float16 per 256; sc, m 6-bit per 32),
     on the w4a8 kernel's super-block form (bfloat16, CPU): the bits W4FLinear gives the same weights,
     in 4.625 bits a weight instead of 6."""
 
@@ -91,20 +91,22 @@ class W4KLinear(_QuantLinear):
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
-        """codes [N, K] 0..15; d, dmin [N, K / 256] float16; sc, m [N, K / 32] integers 0..63."""
+        """codes [N, K] 0..15 (Q4_K) or 0..31 (Q5_K: the fifth bits kept beside, 5.625 bits a weight);
+        d, dmin [N, K / 256] float16; sc, m [N, K / 32] integers 0..63."""
         kernel = cpu_kernels.w4a8()
         n, k = codes.shape
         if kernel is None or n % INT4_N_MULTIPLE or k % (8 * INT4_GROUP):
             raise ValueError(f"W4KLinear needs augury's w4a8 kernel and a [N % 16, K % 256] shape, got [{n}, {k}]")
         super().__init__(bias, torch.bfloat16, torch.device("cpu"))
         self.out_features, self.in_features = n, k
-        c, sm, dd = kernel.pack_k(codes, d, dmin, sc, m)
-        self.register_buffer("codes", c)  # [N/16, K/32, 256] uint8
+        c, sm, dd, high = kernel.pack_k(codes, d, dmin, sc, m)
+        self.register_buffer("codes", c)  # [N/16, K/32, 256] uint8: the low four bits
         self.register_buffer("sm", sm)  # [N/16, K/32, 32] uint8: sc, then m
         self.register_buffer("dd", dd)  # [N/16, K/256, 32] float16: d, then dmin
+        self.register_buffer("high", high)  # [N/16, K/32, 64] uint8: Q5_K's fifth bits, or None
 
     def dequantize(self) -> torch.Tensor:
-        codes, d, dmin, sc, m = cpu_kernels.W4A8.unpack_k(self.codes, self.sm, self.dd)
+        codes, d, dmin, sc, m = cpu_kernels.W4A8.unpack_k(self.codes, self.sm, self.dd, self.high)
         n, k = codes.shape
         scale = d.float().repeat_interleave(8, dim=1) * sc.float()  # exact, as the kernel computes it
         zero = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
@@ -118,17 +120,17 @@ class W4KLinear(_QuantLinear):
         kernel = cpu_kernels.w4a8()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
-        return kernel.linear_k(x, self.codes, self.sm, self.dd)
+        return kernel.linear_k(x, self.codes, self.sm, self.dd, self.high)
 
     def fused_fields(self) -> list[int] | None:
         b = self.bias
         if b is not None and not b.is_contiguous():
             return None
-        return [FUSED_W4K, self.codes.data_ptr(), self.sm.data_ptr(), self.dd.data_ptr(), 0,
-                0 if b is None else b.data_ptr()]
+        return [FUSED_W4K, self.codes.data_ptr(), self.sm.data_ptr(), self.dd.data_ptr(),
+                0 if self.high is None else self.high.data_ptr(), 0 if b is None else b.data_ptr()]
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", w4a8 Q4_K super-block scales"
+        return super().extra_repr() + f", w4a8 {'Q5_K' if self.high is not None else 'Q4_K'} super-block scales"
 
 
 class W8GLinear(_QuantLinear):
@@ -192,7 +194,7 @@ def _q4k_scales(p: Part) -> Part:
 
 
 def _as_q4f(kind: str, p: Part) -> Part:
-    if kind == "q4k":
+    if kind in ("q4k", "q5k"):
         return _q4k_scales(p)
     # int4: (q - 8) s + z = q s + (z - 8 s); Q4_0's z = 0 gives -8d exactly
     scale = p["scale"].float()
@@ -202,7 +204,7 @@ def _as_q4f(kind: str, p: Part) -> Part:
 def _as_q8g(kind: str, p: Part) -> Part:
     if kind == "q8g":
         return p
-    if kind == "q4k":
+    if kind in ("q4k", "q5k"):
         p = _q4k_scales(p)
     # 4-bit parts as int8 codes: int4's (q - 8) s + z as code q - 8 with zero z; q4k's with
     # zero -dmin m
@@ -216,7 +218,7 @@ def plan(kinds: list[str]) -> str | None:
         return None
     if all(k == "int4" for k in kinds):
         return "int4"
-    if all(k == "q4k" for k in kinds):
+    if all(k in ("q4k", "q5k") for k in kinds):
         return "q4k"
     return "q4f" if all(k in ("int4", "q4k") for k in kinds) else "q8g"
 
@@ -266,7 +268,7 @@ def output_layer(kind: str, part: Part, dtype: torch.dtype, device: torch.device
     Q4_K) requantised by Q8_0's rule from its exact float32 values (the kernel has one scale per 32
     and no zero: within half a Q8_0 step of the format's values). None off the CPU, outside bfloat16
     or without the kernel."""
-    if kind == "q4k":
+    if kind in ("q4k", "q5k"):
         part = _q4k_scales(part)
     kernel = cpu_kernels.w8a8()
     codes = part["codes"]

@@ -51,7 +51,8 @@ namespace {
 // and up to four addresses and its bias (0 where absent): dense bfloat16 panels (C), int4 on the w4a8
 // kernel with bfloat16 (C, S, Z: offset 8) or float32 scales and zeros (offset 0: Q4_K), int8 on the
 // w8a8 kernel's general form (C, S, optional Z and X: sub-scales per 16; Q8_0, Q6_K, Q5_*), int4 with
-// Q4_K's own super-block scales (C, S: sc and m uint8, Z: d and dmin float16; w4a8.h).
+// Q4_K's own super-block scales (C, S: sc and m uint8, Z: d and dmin float16, X: Q5_K's fifth bits or 0;
+// w4a8.h).
 enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4 };
 enum Part { P_KIND, P_C, P_S, P_Z, P_X, P_B, PART_FIELDS };
 enum Field {
@@ -144,7 +145,7 @@ inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Round
         case W4K:
             round_rows(x, true, T, a, bar);
             columns(a, T, at<const uint8_t>(p, f + P_C), at<const uint8_t>(p, f + P_S), at<const uint16_t>(p, f + P_Z),
-                    N, store, bar);
+                    N, store, bar, at<const uint8_t>(p, f + P_X));
             break;
         case W8G:
             round_rows(x, true, T, a, bar);

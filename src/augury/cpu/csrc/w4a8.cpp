@@ -50,15 +50,17 @@ extern "C" int augury_w4f_linear(const void *x, int x_bf16, int64_t M, int64_t K
 }
 
 // Q4_K in its own scales (w4a8.h): sm [N / 16, G, 32] uint8 (sc, then m, of the panel's 16 columns, 6-bit),
-// dd [N / 16, G / 8, 32] float16 bits (d, then dmin); w = d sc q - dmin m, the float32 form's bits.
+// dd [N / 16, G / 8, 32] float16 bits (d, then dmin); w = d sc q - dmin m, the float32 form's bits. With
+// high [N / 16, G, 64] (null for Q4_K) each code's fifth bit (w4a8.h's panel): Q5_K, q 0..31.
 // K a multiple of 256. Returns 0, 1 for bad shapes, 2 when out of memory.
 extern "C" int augury_w4k_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
-                                 const uint8_t *sm, const uint16_t *dd, int64_t N, void *y, int y_bf16, int nthreads) {
+                                 const uint8_t *sm, const uint16_t *dd, const uint8_t *high, int64_t N, void *y,
+                                 int y_bf16, int nthreads) {
     if (K % (8 * GROUP) || M < 0 || N < 0 || N % PANEL) return 1;
     OwnedRounded a(M, K, K / GROUP);
     if (!a.ok()) return 2;
     const StoreY store{y, y_bf16 != 0, N};
     augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
-                             [&](augury::Barrier &bar) { columns(a, M, codes, sm, dd, N, store, bar); });
+                             [&](augury::Barrier &bar) { columns(a, M, codes, sm, dd, N, store, bar, high); });
     return 0;
 }

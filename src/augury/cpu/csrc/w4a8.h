@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -163,23 +164,35 @@ inline void scales16(const uint8_t *ps, const uint16_t *pz, int64_t g, __m512 &s
     z = _mm512_xor_ps(_mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))), _mm512_set1_ps(-0.0f));
 }
 
-// one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c]
-template <int R, class S, class Z>
+// one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c].
+// HB: a fifth bit per code (Q5_K), ph [G, 64] per panel: byte 4 c + j, bit 2 b + plane = the bit of the
+// code in block b's low (plane 0) or high (plane 1) nibble at that byte; OR-ed in as 16 before the sums.
+template <int R, class S, class Z, bool HB = false>
 inline void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp,
-                  const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+                  const int8_t *xq, const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out,
+                  const uint8_t *ph = nullptr) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *blk = pc + g * PANEL_BYTES;
         prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);  // the next panel's group: loads overlap the arithmetic
+        __m512i high = _mm512_setzero_si512();
+        if constexpr (HB) {
+            high = _mm512_loadu_si512(ph + g * 64);
+            prefetch_next(ph + G * 64 + g * 64, 64);
+        }
         // each column's sum starts at -8 xsum (the codes' offset of 8), so the dot products land on
         // dot_g - 8 xsum_g without a subtraction per row (the same integers: int32 sums are exact)
         __m512i ia[R];
         for (int r = 0; r < R; r++) ia[r] = _mm512_set1_epi32(-code_offset<S> * xsum[r * Gp + g]);
         for (int b = 0; b < 4; b++) {
             const __m512i v = _mm512_loadu_si512(blk + 64 * b);
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if constexpr (HB) {
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(high, _mm512_set1_epi8(1 << (2 * b))), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(high, _mm512_set1_epi8(2 << (2 * b))), hi, sixteen);
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + r * K + g * GROUP + 8 * b;
                 ia[r] = dpbusd512(ia[r], lo, _mm512_set1_epi32(load_i32(xr)));
@@ -224,16 +237,24 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 // pass per half of 8 columns, as before, spent more instructions per product: single-threaded, a
 // 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
 // at 1 row, 0.44 vs 0.33 at 4 and 8 rows (with W4_ROW_BLOCK_MAX's blocks). out[r * 16 + c]
-template <int R, class S, class Z>
+template <int R, class S, class Z, bool HB = false>
 __attribute__((noinline))  // compiled alone, whatever the caller: fewer spills
 void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, const int8_t *xq,
-           const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+           const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out, const uint8_t *ph = nullptr) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    constexpr bool WIDE = true;  // int32 sums from the start
+#else
+    // AVX2 sums the maddubs pairs in int16 for 4-bit codes (8 x |2 * 15 * 127| < 2^15); 5-bit codes
+    // (8 x 2 * 31 * 127 would not fit) widen each pair sum to int32 at once: the same integers
+    constexpr bool WIDE = HB;
+#endif
+    const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
     __m256 acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *blk = pc + g * PANEL_BYTES;
         prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
+        if constexpr (HB) prefetch_next(ph + G * 64 + g * 64, 64);
         __m256i ia[R][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, no faster (the sums already fill the registers)
@@ -245,17 +266,25 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
                 __m256i u0 = _mm256_loadu_si256(at), u1 = _mm256_loadu_si256(at + 1);
                 if (plane) u0 = _mm256_srli_epi16(u0, 4), u1 = _mm256_srli_epi16(u1, 4);
                 u0 = _mm256_and_si256(u0, low4), u1 = _mm256_and_si256(u1, low4);
+                if constexpr (HB) {
+                    const __m128i *hp = reinterpret_cast<const __m128i *>(ph + g * 64);
+                    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * b + plane)));
+                    const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(hp));
+                    const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(hp) + 1);
+                    u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h0, bit), bit), sixteen));
+                    u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h1, bit), bit), sixteen));
+                }
                 for (int r = 0; r < R; r++) {
                     const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 8 * b + 4 * plane));
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-                    ia[r][0] = dpbusd256(ia[r][0], u0, x);
-                    ia[r][1] = dpbusd256(ia[r][1], u1, x);
-#else
-                    // AVX2: the group's maddubs pair sums added in int16 (8 x |2 * 15 * 127| < 2^15),
-                    // widened to int32 once per group below: the same integers, fewer instructions
-                    ia[r][0] = _mm256_add_epi16(ia[r][0], _mm256_maddubs_epi16(u0, x));
-                    ia[r][1] = _mm256_add_epi16(ia[r][1], _mm256_maddubs_epi16(u1, x));
-#endif
+                    if constexpr (WIDE) {
+                        ia[r][0] = dpbusd256(ia[r][0], u0, x);
+                        ia[r][1] = dpbusd256(ia[r][1], u1, x);
+                    } else {
+                        // AVX2: the group's maddubs pair sums added in int16 (8 x |2 * 15 * 127| < 2^15),
+                        // widened to int32 once per group below: the same integers, fewer instructions
+                        ia[r][0] = _mm256_add_epi16(ia[r][0], _mm256_maddubs_epi16(u0, x));
+                        ia[r][1] = _mm256_add_epi16(ia[r][1], _mm256_maddubs_epi16(u1, x));
+                    }
                 }
             }
         }
@@ -266,11 +295,7 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
             const __m256i x8 = _mm256_set1_epi32(xsum[r * Gp + g] * code_offset<S>);
             const __m256 d = _mm256_set1_ps(dx[r * Gp + g]), x = _mm256_set1_ps(xs[r * Gp + g]);
             for (int h = 0; h < 2; h++) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-                const __m256i sum = ia[r][h];
-#else
-                const __m256i sum = _mm256_madd_epi16(ia[r][h], _mm256_set1_epi16(1));
-#endif
+                const __m256i sum = WIDE ? ia[r][h] : _mm256_madd_epi16(ia[r][h], _mm256_set1_epi16(1));
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, x8));
                 acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv[h], d), acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(zv[h], x, acc[r][h]);
@@ -353,7 +378,7 @@ inline int block_rows(int64_t rest, int most = ROW_BLOCK_MAX) {
 // while its rows go by in register blocks (block_rows), ROW_TILE rows' activations staying in cache.
 template <class Store, class S, class Z>
 inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *s, const Z *z,
-                    int64_t N, Store store, augury::Barrier &bar) {
+                    int64_t N, Store store, augury::Barrier &bar, const uint8_t *high = nullptr) {
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
@@ -368,6 +393,22 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp, *sr = a.xs + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp;
+                const uint8_t *ph = high ? high + p * G * 64 : nullptr;  // Q5_K's fifth bits: [P, G, 64]
+                if constexpr (std::is_same<S, uint8_t>::value) {
+                    if (ph) {
+                        switch (r) {
+#define AUGURY_ROWS(n) \
+    case n: panel<n, S, Z, true>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out, ph); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                            AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
+#endif
+                            AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+#undef AUGURY_ROWS
+                        }
+                        for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
+                        continue;
+                    }
+                }
                 switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
