@@ -30,8 +30,9 @@ from augury.server.ops import RequestContext, add_cors, request_id
 from augury.server.provenance import asked, whole
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
 from augury.server.tokenize import add_token_routes
+from augury.server.responses import add_response_routes
 from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
-from augury.structured.tools import parse_tool_calls
+from augury.server.chat_text import chat_message
 
 MAX_BODY_BYTES = 16 * 2**20
 DISCARD_AT_MOST = 4 * MAX_BODY_BYTES  # of a body over the limit, read and dropped before the 413 (BodyLimit)
@@ -200,6 +201,7 @@ def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool
         return card(model_id)
 
     add_token_routes(app, state, guarded, _ERRORS)
+    add_response_routes(app, state, guarded, _ERRORS)  # /v1/responses (responses.py)
 
     async def answer(body, request: Request, job, t0: float, events, obj: str, choice, logprobs) -> Response:
         """The part completions and chat share: admit, then stream or collect one JSON body.
@@ -256,15 +258,11 @@ def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool
         state.fields.check(body, request.scope.get("state"))
         job = await chat_job(state, body, *request_id(request, body.request_id))
 
-        def message(i: int, o) -> dict[str, Any]:
-            if not job.parse_tools:
-                return {"message": {"role": "assistant", "content": o.text}}
-            content, calls = parse_tool_calls(o.text, job.tool_names)
-            out: dict[str, Any] = {"message": {"role": "assistant", "content": content}}
-            if calls:
-                out["message"]["tool_calls"] = [c.openai() for c in calls]
-                if o.finish_reason == "stop":
-                    out["finish_reason"] = "tool_calls"
+        def message(i: int, o) -> dict[str, Any]:  # reasoning, content and tool calls (chat_text.py)
+            msg, called = chat_message(job, o.text)
+            out: dict[str, Any] = {"message": msg}
+            if called and o.finish_reason == "stop":
+                out["finish_reason"] = "tool_calls"
             return out
 
         return await answer(body, request, job, t0, chat_events, "chat.completion", message,

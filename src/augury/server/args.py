@@ -17,6 +17,12 @@ from typing import Any, NoReturn
 
 from augury.config import EngineConfig, ResolvedModel, add_flags, api_key_from_env, given_options, name_flags
 from augury.limits import RequestLimits, add_limit_flags, limits_from_args
+from augury.server.templates import load_chat_template
+
+# structured.tool_parsers.FORMATS and structured.reasoning.PARSERS (importing them here would load
+# torch through augury.structured; tests/test_tool_parsers.py checks the lists agree)
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 DEFAULT_MAX_QUEUE_SIZE = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -32,7 +38,9 @@ class ServeSettings:
     max_queue_size: int
     served_model_name: str
     engine: EngineConfig
-    tool_call_parser: str | None = "hermes"  # None: tools refused
+    tool_call_parser: str | None = "auto"  # a tool-call format; auto: the chat template's; None: tools refused
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1: <think> blocks become reasoning_content
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's)
     enable_docs: bool = False  # /docs, /redoc, /openapi.json served (behind the key when one is set)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # seconds a drain waits for requests in flight
     stream_timeout: float = DEFAULT_STREAM_TIMEOUT  # a streaming client reading nothing this long is cut off; 0: never
@@ -48,6 +56,7 @@ class ServeSettings:
         return {"host": self.host, "port": self.port, "api_key_set": self.api_key is not None,
                 "debug": self.debug, "max_queue_size": self.max_queue_size,
                 "served_model_name": self.served_model_name, "tool_call_parser": self.tool_call_parser,
+                "reasoning_parser": self.reasoning_parser, "chat_template_given": self.chat_template is not None,
                 "enable_docs": self.enable_docs, "shutdown_timeout": self.shutdown_timeout,
                 "limits": dataclasses.asdict(self.limits),
                 "stream_timeout": self.stream_timeout,
@@ -93,9 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-timeout", type=float, default=DEFAULT_STREAM_TIMEOUT, metavar="SECONDS",
                    help="a streaming client that reads nothing for this long is disconnected and its request "
                         "aborted (its KV cache freed); 0: never (default 60)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
-                   help="how tool calls are read out of chat answers: hermes (<tool_call> JSON blocks, as SmolLM2 "
-                        "and Qwen 2.5 write them; default), or none (requests with tools get a 400)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_FORMATS, "none"],
+                   help="how tool calls are written and read in chat answers: hermes (<tool_call> JSON: SmolLM2, "
+                        "Qwen 2.5 / 3), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), qwen3_coder or "
+                        "qwen3_xml (<function=...> XML), pythonic ([f(a=1)]: Llama 3.2 / 4); auto (default): the "
+                        "format the chat template renders calls in, hermes when it renders none; none: requests "
+                        "with tools get a 400")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split the model's <think> reasoning off chat answers into reasoning_content (qwen3: "
+                        "Qwen3, QwQ-style templates; deepseek_r1: DeepSeek-R1 and its distills); structured output "
+                        "then applies to the answer after it; default: none")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
     add_limit_flags(p)  # every request limit, from the one table in limits.py
     add_flags(p)  # every engine option, from the one table in config.py
     return p
@@ -157,6 +175,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine, limits=limits,
                          tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser,
+                         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
                          enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout,
                          stream_timeout=args.stream_timeout, served_model_names=tuple(names),
                          strict_fields=args.strict_fields, log_requests=args.enable_log_requests,

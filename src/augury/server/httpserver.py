@@ -27,6 +27,7 @@ from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
 from augury.server.fields import FieldPolicy
 from augury.server.serving import ServerState
+from augury.server.templates import TemplateInfo, describe, inspect_template
 
 log = logging.getLogger("augury.server")
 
@@ -128,12 +129,32 @@ def _folders(settings: ServeSettings) -> dict[str, str | None]:
             "draft_model_folder": str(draft.expanduser().resolve()) if draft else None}
 
 
+def _chat_template(settings: ServeSettings, tokenizer) -> tuple[TemplateInfo, str | None]:
+    """--chat-template in place of the tokenizer's (on the server's copy, the one that renders chats),
+    what the template does with tools (templates.py), and the tool-call format: --tool-call-parser's,
+    or with auto the one the template renders calls in (hermes when it renders none)."""
+    if settings.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer, and this model folder has none")
+        tokenizer.chat_template = settings.chat_template
+    info = inspect_template(tokenizer)
+    parser = settings.tool_call_parser
+    if parser == "auto":
+        parser = info.tool_format or "hermes"
+        if tokenizer is not None:
+            log.info("tool calls: the %s format (%s)", parser, "as the chat template renders them"
+                     if info.tool_format else "the chat template renders none")
+    return info, parser
+
+
 def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float]) -> AuguryServer:
     tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+    template, tool_parser = _chat_template(settings, tokenizer)
     failure = FailureLatch()
     loop = EngineLoop(engine, settings.max_queue_size, on_fatal=failure.set)
     metrics = ServerMetrics(lambda: loop.snapshot, settings.served_model_name)
-    described = {**settings.describe(), **_folders(settings)}
+    described = {**settings.describe(), **_folders(settings), "tool_call_parser": tool_parser,
+                 "chat_template": describe(template)}
     # every augury module that will serve is imported by now (this module imports the app)
     info = ServerInfo.capture(described, engine, stage_seconds)
     state = ServerState(loop=loop, metrics=metrics, model_name=settings.served_model_name,
@@ -141,7 +162,8 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
                         tokenizer=tokenizer, executor=ThreadPoolExecutor(1, thread_name_prefix="augury-tokenizer"),
                         info=info, api_key=settings.api_key,
                         grammar=engine.grammar if engine.tokenizer is not None else None,
-                        tool_call_parser=settings.tool_call_parser, limits=settings.limits,
+                        tool_call_parser=tool_parser, limits=settings.limits,
+                        template=template, reasoning_parser=settings.reasoning_parser,
                         stream_timeout=settings.stream_timeout or None,  # 0: never
                         model_names=settings.served_model_names or (settings.served_model_name,),
                         fields=FieldPolicy(strict=settings.strict_fields))

@@ -21,11 +21,11 @@ def message_text(content: Any, where: str) -> str:
     return content or ""
 
 
-def message_dicts(req: Any, native_tools: bool) -> list[dict[str, Any]]:
+def message_dicts(req: Any, native_tools: bool, fmt: str = "hermes") -> list[dict[str, Any]]:
     """The messages as the chat template takes them. An assistant turn's tool_calls and a tool turn's
-    answer go to a template that knows tools as they are (arguments as objects, as Hugging Face
-    templates expect); for one that does not, they become hermes text: the calls as <tool_call>
-    blocks in the assistant's content, the answer inside <tool_response> tags."""
+    answer go to a template that renders calls as they are (arguments as objects, as Hugging Face
+    templates expect); for one that does not, they become text: the calls as the model writes them
+    in the tool-call format `fmt` in the assistant's content, the answer inside <tool_response> tags."""
     out = []
     for i, m in enumerate(req.messages):  # roles are checked by the request model
         d: dict[str, Any] = {"role": m.role, "content": message_text(m.content, f"messages.{i}.content")}
@@ -46,8 +46,8 @@ def message_dicts(req: Any, native_tools: bool) -> list[dict[str, Any]]:
             if native_tools:
                 d["tool_calls"] = calls
             else:
-                text = "\n".join(tool_calls.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
-                                 for c in calls)
+                text = "\n".join(tool_calls.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]),
+                                                       fmt) for c in calls)
                 d["content"] = f"{d['content']}\n{text}" if d["content"] else text
         if m.role == "tool":
             if native_tools:
@@ -82,14 +82,11 @@ def chat_template_check(req: Any) -> None:
                           "(set add_generation_prompt: false to continue the last message)", "continue_final_message")
 
 
-def tools_native(tok: Any) -> bool:
-    template = getattr(tok, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
-
-
-def with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For a template that takes no tools: describe them in the system message (hermes format)."""
-    prompt = tool_calls.tools_prompt(tools)
+def with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                      fmt: str = "hermes") -> list[dict[str, Any]]:
+    """For a template that takes no tools: describe them in the system message (and how to call them
+    in the tool-call format `fmt`)."""
+    prompt = tool_calls.tools_prompt(tools, fmt)
     if messages and messages[0]["role"] in ("system", "developer"):
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]

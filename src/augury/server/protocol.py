@@ -221,6 +221,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> block, split off the content
 
 
 class ChatChoice(BaseModel):
@@ -242,6 +243,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[dict[str, Any]] | None = None  # {index, id?, type?, function: {name?, arguments}}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import threading
 import uuid
@@ -20,10 +21,15 @@ from augury.server.engine_loop import EngineLoop, EngineUnavailable, QueueFull, 
 from augury.server.errors import APIError, bad_request
 from augury.server.fields import REFUSED_CHAT, REFUSED_COMPLETION, FieldPolicy, refuse, template_kwargs, truncate
 from augury.server.info import ServerInfo
-from augury.server.messages import chat_template_check, message_dicts, render_chat, tools_native, with_tools_prompt
+from augury.server.messages import chat_template_check, message_dicts, render_chat, with_tools_prompt
 from augury.server.metrics import ServerMetrics
+from augury.server.responses_store import ResponseStore
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from augury.server.templates import TemplateInfo, inspect_template
 from augury.structured import tools as tool_calls
+from augury.structured.backend import constraint_format
+from augury.structured.reasoning import after_reasoning, start_state
+from augury.structured.tool_parsers import get_format
 from augury.structured.shaper import bad_word_ids
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -45,6 +51,8 @@ class ServerState:
     draining: bool = False  # a stop signal came: no new request is admitted (httpserver.py's drain)
     grammar: Any = None  # () -> structured.GrammarBackend (thread-safe), to compile constraints before admission
     tool_call_parser: str | None = "hermes"  # how tool calls are read out of answers; None: tools are refused
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1 (structured/reasoning.py); None: answers are not split
+    template: TemplateInfo | None = None  # what the chat template does with tools (templates.py); None: found on first use
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask (limits.py)
     # compiles structured-output constraints (and builds tool grammars) off the event loop and the
     # tokenizer thread; two threads, so one slow compile does not hold every other
@@ -52,6 +60,10 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="augury-grammar"))
     model_names: tuple[str, ...] = ()  # every --served-model-name (model_name is the first; answers name it)
     fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown request fields: warned, or refused
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept (responses_store.py)
+    # the model's sampling defaults (generation_config.py) for the fields a request leaves unset:
+    # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     async def on_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -71,7 +83,9 @@ class Job:
     echo: bool = False
     prompt_texts: list[str] | None = None
     parse_tools: bool = False  # chat with tools: answers are parsed for tool calls
-    tool_names: frozenset[str] | None = None  # and the functions a call may name (others are content)
+    tool_names: Any = None  # and the functions a call may name, each to its parameters schema (others are content)
+    tool_format: str = "hermes"  # the format calls are read in (structured/tool_parsers.py)
+    reasoning: str | None = None  # with a reasoning parser: where its answers start (reasoning.start_state)
     engine_id: str = ""  # the id its engine requests are submitted under (unique); "": request_id
     continuous_usage: bool = False  # streamed: usage so far in every chunk (stream_options.continuous_usage_stats)
     # what the request log says of it once answered (note())
@@ -163,7 +177,7 @@ def _structured(req: SamplingFields) -> tuple[StructuredOutputsParams | None, st
 
 
 async def _compile(state: ServerState, so: StructuredOutputsParams | None, param: str | None,
-                   bad_words: list[str] | None = None) -> None:
+                   bad_words: list[str] | None = None, checked: bool = False) -> None:
     """Compile the constraint now, on a grammar thread (never the event loop, the tokenizer thread or
     the engine's) within --limit-compile-seconds, and hand the compiled grammar to the engine with
     the request (so.compiled), so a bad one is a 400 naming it and the engine thread never compiles.
@@ -173,7 +187,9 @@ async def _compile(state: ServerState, so: StructuredOutputsParams | None, param
     if state.grammar is None:
         raise bad_request("structured output needs a tokenizer, and this model has none", param)
     try:
-        if param != "tools":  # a tool grammar's size is the tools' (RequestLimits.check_tools)
+        # a tool grammar's size is the tools' (RequestLimits.check_tools); checked: as sent, before
+        # _after_reasoning rewrote it
+        if param != "tools" and not checked:
             state.limits.check_structured(so, param or "structured_outputs")
     except ValueError as e:
         raise bad_request(str(e), param) from None
@@ -215,6 +231,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         raise bad_request(f"the prompt has {prompt_len} tokens; this model's context is {state.max_model_len} "
                           "tokens, which must leave room for at least one generated token",
                           "prompt", "context_length_exceeded")
+    default_max = state.sampling_defaults.get("max_tokens", default_max)  # the model's, else the route's
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     elif max_tokens < 1:
@@ -223,10 +240,15 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         raise bad_request(f"this model's context is {state.max_model_len} tokens; the prompt has {prompt_len} "
                           f"and {max_tokens} were asked for (max_tokens); ask for at most {room}",
                           "max_tokens", "context_length_exceeded")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if req.top_k is not None and (req.top_k < -1 or req.top_k > 2**31):
-        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {req.top_k}", "top_k")
+    model = state.sampling_defaults  # what the request leaves unset, generation_config.json may give
+
+    def given(name: str, default: Any) -> Any:
+        value = getattr(req, name)
+        return model.get(name, default) if value is None else value
+
+    temperature, top_p, top_k = given("temperature", 1.0), given("top_p", 1.0), given("top_k", None)
+    if top_k is not None and (top_k < -1 or top_k > 2**31):
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {top_k}", "top_k")
     seed = req.seed
     if seed is not None:
         if not -(2**63) <= seed < 2**64:
@@ -235,15 +257,15 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
     if req.bad_words and state.tokenizer is None:
         raise bad_request("bad_words needs a tokenizer, and this model has none", "bad_words")
     try:  # SamplingParams validates temperature, top_p, penalties, ... (once, for every entry point)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
                                 ignore_eos=bool(req.ignore_eos), max_draft_tokens=req.max_draft_tokens,
                                 return_token_sources=bool(req.return_token_sources),
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                 presence_penalty=req.presence_penalty or 0.0,
                                 frequency_penalty=req.frequency_penalty or 0.0,
-                                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                                min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
+                                repetition_penalty=given("repetition_penalty", 1.0),
+                                min_p=given("min_p", 0.0), logit_bias=req.logit_bias or None,
                                 bad_words=req.bad_words or None, structured_outputs=structured,
                                 min_tokens=req.min_tokens or 0,
                                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
@@ -339,11 +361,13 @@ async def chat_prompt(state: ServerState, req: Any, tools: list[dict[str, Any]] 
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     chat_template_check(req)
-    native = tools_native(tok)
-    messages = message_dicts(req, native)
+    if state.template is None:  # a state built without build_server: found on first use
+        state.template = await state.on_tokenizer_thread(inspect_template, tok)
+    info, fmt = state.template, state.tool_call_parser or "hermes"
+    messages = message_dicts(req, info.renders_calls, fmt)
     described = tools
-    if described and not native:
-        messages, described = with_tools_prompt(messages, described), None
+    if described and not info.renders_tools:
+        messages, described = with_tools_prompt(messages, described, fmt), None
     template_kwargs(tok, req.chat_template_kwargs)  # a 400 before the tokenizer thread
     try:
         return await state.on_tokenizer_thread(render_chat, tok, messages, described, req)
@@ -389,7 +413,8 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest, request_id: s
                               param)
         try:  # on a grammar thread: it walks every tool's schema
             grammar = await asyncio.get_running_loop().run_in_executor(
-                state.grammar_executor, tool_calls.tool_grammar, tools, choice, req.parallel_tool_calls is not False)
+                state.grammar_executor, tool_calls.tool_grammar, tools, choice, req.parallel_tool_calls is not False,
+                state.tool_call_parser)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
         so, param = StructuredOutputsParams(structural_tag=grammar), "tools"
@@ -397,11 +422,50 @@ async def chat_job(state: ServerState, req: ChatCompletionRequest, request_id: s
     ids = _check_ids(truncate(ids, req.truncate_prompt_tokens, state.max_model_len), state)
     n = _check_n(req, 1, state)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    fmt = get_format(state.tool_call_parser or "hermes")
+    tail, keep = await state.on_tokenizer_thread(_answer_start, tok, ids, fmt.markers if choice != "none" else ())
+    reasoning, rewritten = None, False
+    if state.reasoning_parser is not None:
+        reasoning = start_state(state.reasoning_parser, tail)
+        if so is not None and reasoning != "done":  # the constraint shapes the answer, not the reasoning
+            so, rewritten = await _after_reasoning(state, so, param, reasoning), True
     params = [_sampling(req, max_tokens, len(ids), state, None, c, k, None, so) for c in range(n)]
-    await _compile(state, so, param, req.bad_words)  # after the limits: the choices share `so`
-    names = frozenset(t["function"]["name"] for t in tools or [])
+    if keep and req.skip_special_tokens is None:  # the format's markers are special tokens: keep them (as vLLM)
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    await _compile(state, so, param, req.bad_words, rewritten)  # after the limits: the choices share `so`
+    names = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
     public, engine_id = job_ids("chatcmpl", request_id, given)
-    return Job(public, [ids], params, n, k, parse_tools=choice != "none", tool_names=names, engine_id=engine_id)
+    return Job(public, [ids], params, n, k, parse_tools=choice != "none", tool_names=names, engine_id=engine_id,
+               tool_format=fmt.name, reasoning=reasoning)
+
+
+def _answer_start(tok: Any, ids: list[int], markers: tuple[str, ...]) -> tuple[str, bool]:
+    """(the prompt's last characters, whether any of `markers` is a special token of the tokenizer,
+    which the text leaves out unless the request keeps special tokens). On the tokenizer thread."""
+    tail = tok.decode(ids[-16:], skip_special_tokens=False)
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    special = {t.content for t in added.values() if getattr(t, "special", False)} | set(tok.all_special_tokens)
+    return tail, any(m in special for m in markers)
+
+
+async def _after_reasoning(state: ServerState, so: StructuredOutputsParams, param: str | None,
+                           start: str) -> StructuredOutputsParams:
+    """The constraint placed after the reasoning block (reasoning.after_reasoning): checked against the
+    limits as sent, rewritten as a structural tag on a grammar thread (within --limit-compile-seconds);
+    a 400 naming `param` when xgrammar refuses it."""
+    try:
+        if param != "tools":
+            state.limits.check_structured(so, param or "structured_outputs")
+        fmt = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+            state.grammar_executor, constraint_format, so), state.limits.compile_seconds)
+    except asyncio.TimeoutError:
+        raise bad_request(f"{param}: the constraint did not compile within {state.limits.compile_seconds:g} s "
+                          "(this server's --limit-compile-seconds)", param) from None
+    except ValueError as e:
+        message = str(e) if param == "structured_outputs" else str(e).replace("structured_outputs.", f"{param}: ", 1)
+        raise bad_request(message, param) from None
+    tag = json.dumps({"type": "structural_tag", "format": after_reasoning(fmt, start)})
+    return StructuredOutputsParams(structural_tag=tag, disable_any_whitespace=so.disable_any_whitespace)
 
 
 def admit(state: ServerState, job: Job, stream: bool) -> RequestGroup:

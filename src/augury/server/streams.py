@@ -26,7 +26,7 @@ from augury.server.errors import APIError, error_body
 from augury.server.logprobs import chat_logprobs, completion_logprobs
 from augury.server.provenance import HeldProvenance, asked
 from augury.server.serving import Job, ServerState
-from augury.structured.tools import ToolCallStream
+from augury.server.chat_text import ChatTextStream
 
 log = logging.getLogger("augury.server")
 
@@ -246,14 +246,15 @@ async def completion_events(state: ServerState, job: Job, group: RequestGroup, t
 
 async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: float,
                       include_usage: bool) -> AsyncIterator[str]:
-    """Chat chunks. With tools, each choice's text goes through a ToolCallStream: text outside calls
-    arrives as content deltas, each call once its block is whole and parses as OpenAI's tool_calls
-    deltas (index, id, type and name first, then its arguments), and a choice that called a tool and
-    stopped finishes with "tool_calls": the same content, calls and finish as the whole answer's."""
+    """Chat chunks. With tools or a reasoning parser, each choice's text goes through a ChatTextStream
+    (chat_text.py): reasoning as reasoning_content deltas, text outside calls as content deltas, each
+    call once its block is whole and parses as OpenAI's tool_calls deltas (index, id, type and name
+    first, then its arguments), and a choice that called a tool and stopped finishes with
+    "tool_calls": the same reasoning, content, calls and finish as the whole answer's."""
     base = {"id": job.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     observe, generated, finals = _Observer(state, t0), 0, []
-    parsers: dict[int, ToolCallStream] = {}
+    parsers: dict[int, ChatTextStream] = {}
     try:
         for index in range(len(group)):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -273,10 +274,10 @@ async def chat_events(state: ServerState, job: Job, group: RequestGroup, t0: flo
             if not out.new_text and not out.finished and not (prov is not None and prov.pending(index)):
                 continue
             finish = out.finish_reason
-            if job.parse_tools:
-                parser = parsers.setdefault(index, ToolCallStream(job.tool_names))
+            if job.parse_tools or job.reasoning is not None:
+                parser = parsers.setdefault(index, ChatTextStream(job))
                 deltas = parser.feed(out.new_text) + (parser.finish() if out.finished else [])
-                if parser.calls and finish == "stop":
+                if parser.called and finish == "stop":
                     finish = "tool_calls"
             else:
                 deltas = [{"content": out.new_text}] if out.new_text else []

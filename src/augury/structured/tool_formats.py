@@ -175,6 +175,10 @@ _MISTRAL_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]
 def read_mistral(body: str, tools: Tools) -> Calls:
     """After [TOOL_CALLS]: a JSON array of {"name", "arguments"}; or name[ARGS]{...}, further calls each
     after a [TOOL_CALLS] of their own (the block runs to the answer's end, so they are in the body)."""
+    body = body.rstrip()
+    # the end-of-sequence token's text: in the text when the request keeps special tokens, as the
+    # server makes it do where [TOOL_CALLS] is one
+    body = body[:-len("</s>")] if body.endswith("</s>") else body
     try:
         start = _skip_ws(body, 0)
         if body.startswith("[", start):
