@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from augury.config import EngineConfig, ResolvedModel, add_flags, api_key_from_env, given_options, name_flags
+from augury.generation_config import check_setting as check_generation_config
 from augury.limits import RequestLimits, add_limit_flags, limits_from_args
+from augury.server.responses_store import DEFAULT_MAX_MB, DEFAULT_MAX_RESPONSES
 from augury.server.templates import load_chat_template
 
 # structured.tool_parsers.FORMATS and structured.reasoning.PARSERS (importing them here would load
@@ -50,6 +52,9 @@ class ServeSettings:
     strict_fields: bool = False  # unknown request fields are a 400 (default: warned once, listed in a header)
     log_requests: bool = False  # one log line per request (--enable-log-requests)
     allowed_origins: tuple[str, ...] = ()  # CORS (--allowed-origins); none: no CORS headers
+    generation_config: str = "auto"  # the model's sampling defaults: auto, vllm (none) or a folder (generation_config.py)
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES  # /v1/responses kept for previous_response_id (0: none)
+    max_stored_responses_mb: float = DEFAULT_MAX_MB  # and the bytes they may take
 
     def describe(self) -> dict[str, Any]:
         """For /server_info: everything except the key itself."""
@@ -62,7 +67,9 @@ class ServeSettings:
                 "stream_timeout": self.stream_timeout,
                 "served_model_names": list(self.served_model_names or (self.served_model_name,)),
                 "strict_fields": self.strict_fields, "enable_log_requests": self.log_requests,
-                "allowed_origins": list(self.allowed_origins)}
+                "allowed_origins": list(self.allowed_origins), "generation_config": self.generation_config,
+                "max_stored_responses": self.max_stored_responses,
+                "max_stored_responses_mb": self.max_stored_responses_mb}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -114,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "then applies to the answer after it; default: none")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="the sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens) of requests that do not set them: auto (default) from the model's "
+                        "generation_config.json, vllm (or none) the server's own, or a folder's "
+                        "generation_config.json")
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES, metavar="N",
+                   help="/v1/responses answers kept in memory for previous_response_id, least recently used "
+                        f"dropped first; 0: none kept (default {DEFAULT_MAX_RESPONSES})")
+    p.add_argument("--max-stored-responses-mb", type=float, default=DEFAULT_MAX_MB, metavar="MB",
+                   help=f"memory those kept responses may take, as JSON (default {DEFAULT_MAX_MB:g})")
     add_limit_flags(p)  # every request limit, from the one table in limits.py
     add_flags(p)  # every engine option, from the one table in config.py
     return p
@@ -171,6 +188,11 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         raise ValueError(f"--served-model-name names one model twice: {', '.join(names)}")
     name = names[0]
     origins = parse_origins(args.allowed_origins)
+    generation = check_generation_config(args.generation_config)
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be a non-negative integer, got {args.max_stored_responses}")
+    if not (math.isfinite(args.max_stored_responses_mb) and args.max_stored_responses_mb >= 0):
+        raise ValueError(f"--max-stored-responses-mb must be a non-negative number, got {args.max_stored_responses_mb}")
     limits = limits_from_args(args)
     return ServeSettings(host=args.host, port=args.port, api_key=api_key, debug=args.debug,
                          max_queue_size=args.max_queue_size, served_model_name=name, engine=engine, limits=limits,
@@ -180,4 +202,6 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
                          enable_docs=args.enable_docs, shutdown_timeout=args.shutdown_timeout,
                          stream_timeout=args.stream_timeout, served_model_names=tuple(names),
                          strict_fields=args.strict_fields, log_requests=args.enable_log_requests,
-                         allowed_origins=origins)
+                         allowed_origins=origins, generation_config=generation,
+                         max_stored_responses=args.max_stored_responses,
+                         max_stored_responses_mb=args.max_stored_responses_mb)

@@ -16,8 +16,11 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import uvicorn
+
+from augury.generation_config import describe as describe_defaults, load_defaults
 
 from augury.server.app import create_app
 from augury.server.args import ServeSettings
@@ -26,6 +29,7 @@ from augury.server.engine_loop import EngineLoop
 from augury.server.info import ServerInfo
 from augury.server.metrics import ServerMetrics
 from augury.server.fields import FieldPolicy
+from augury.server.responses_store import ResponseStore
 from augury.server.serving import ServerState
 from augury.server.templates import TemplateInfo, describe, inspect_template
 
@@ -147,6 +151,15 @@ def _chat_template(settings: ServeSettings, tokenizer) -> tuple[TemplateInfo, st
     return info, parser
 
 
+def _sampling_defaults(settings: ServeSettings) -> dict[str, Any]:
+    """--generation-config's sampling defaults (generation_config.py), said at start-up when there are any."""
+    defaults, source = load_defaults(settings.generation_config, Path(_folders(settings)["model_folder"]))
+    if defaults:
+        log.info("sampling defaults from the model's generation config: %s; a request's own values win "
+                 "(--generation-config vllm ignores them)", describe_defaults(defaults, source))
+    return defaults
+
+
 def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float]) -> AuguryServer:
     tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
     template, tool_parser = _chat_template(settings, tokenizer)
@@ -155,6 +168,8 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
     metrics = ServerMetrics(lambda: loop.snapshot, settings.served_model_name)
     described = {**settings.describe(), **_folders(settings), "tool_call_parser": tool_parser,
                  "chat_template": describe(template)}
+    defaults = _sampling_defaults(settings)
+    described["sampling_defaults"] = defaults
     # every augury module that will serve is imported by now (this module imports the app)
     info = ServerInfo.capture(described, engine, stage_seconds)
     state = ServerState(loop=loop, metrics=metrics, model_name=settings.served_model_name,
@@ -166,7 +181,9 @@ def build_server(settings: ServeSettings, engine, stage_seconds: dict[str, float
                         template=template, reasoning_parser=settings.reasoning_parser,
                         stream_timeout=settings.stream_timeout or None,  # 0: never
                         model_names=settings.served_model_names or (settings.served_model_name,),
-                        fields=FieldPolicy(strict=settings.strict_fields))
+                        fields=FieldPolicy(strict=settings.strict_fields), sampling_defaults=defaults,
+                        responses=ResponseStore(settings.max_stored_responses,
+                                                int(settings.max_stored_responses_mb * 2**20)))
     app = create_app(state, settings.enable_docs, settings.log_requests, settings.allowed_origins)
     config = uvicorn.Config(app, log_level="debug" if settings.debug else "warning",
                             access_log=settings.debug, lifespan="off", timeout_graceful_shutdown=5,
