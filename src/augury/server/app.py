@@ -30,6 +30,7 @@ from augury.server.ops import RequestContext, add_cors, request_id
 from augury.server.provenance import asked, whole
 from augury.server.serving import ServerState, admit, chat_job, check_model, completion_job
 from augury.server.tokenize import add_token_routes
+from augury.server.responses import add_response_routes
 from augury.server.streams import GroupStreamingResponse, chat_events, collect, completion_events, usage
 from augury.server.chat_text import chat_message
 
@@ -200,6 +201,7 @@ def create_app(state: ServerState, enable_docs: bool = False, log_requests: bool
         return card(model_id)
 
     add_token_routes(app, state, guarded, _ERRORS)
+    add_response_routes(app, state, guarded, _ERRORS)  # /v1/responses (responses.py)
 
     async def answer(body, request: Request, job, t0: float, events, obj: str, choice, logprobs) -> Response:
         """The part completions and chat share: admit, then stream or collect one JSON body.

@@ -23,6 +23,7 @@ from augury.server.fields import REFUSED_CHAT, REFUSED_COMPLETION, FieldPolicy, 
 from augury.server.info import ServerInfo
 from augury.server.messages import chat_template_check, message_dicts, render_chat, with_tools_prompt
 from augury.server.metrics import ServerMetrics
+from augury.server.responses_store import ResponseStore
 from augury.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from augury.server.templates import TemplateInfo, inspect_template
 from augury.structured import tools as tool_calls
@@ -59,6 +60,10 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="augury-grammar"))
     model_names: tuple[str, ...] = ()  # every --served-model-name (model_name is the first; answers name it)
     fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown request fields: warned, or refused
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept (responses_store.py)
+    # the model's sampling defaults (generation_config.py) for the fields a request leaves unset:
+    # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     async def on_tokenizer_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -226,6 +231,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         raise bad_request(f"the prompt has {prompt_len} tokens; this model's context is {state.max_model_len} "
                           "tokens, which must leave room for at least one generated token",
                           "prompt", "context_length_exceeded")
+    default_max = state.sampling_defaults.get("max_tokens", default_max)  # the model's, else the route's
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     elif max_tokens < 1:
@@ -234,10 +240,15 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
         raise bad_request(f"this model's context is {state.max_model_len} tokens; the prompt has {prompt_len} "
                           f"and {max_tokens} were asked for (max_tokens); ask for at most {room}",
                           "max_tokens", "context_length_exceeded")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if req.top_k is not None and (req.top_k < -1 or req.top_k > 2**31):
-        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {req.top_k}", "top_k")
+    model = state.sampling_defaults  # what the request leaves unset, generation_config.json may give
+
+    def given(name: str, default: Any) -> Any:
+        value = getattr(req, name)
+        return model.get(name, default) if value is None else value
+
+    temperature, top_p, top_k = given("temperature", 1.0), given("top_p", 1.0), given("top_k", None)
+    if top_k is not None and (top_k < -1 or top_k > 2**31):
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {top_k}", "top_k")
     seed = req.seed
     if seed is not None:
         if not -(2**63) <= seed < 2**64:
@@ -246,15 +257,15 @@ def _sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, stat
     if req.bad_words and state.tokenizer is None:
         raise bad_request("bad_words needs a tokenizer, and this model has none", "bad_words")
     try:  # SamplingParams validates temperature, top_p, penalties, ... (once, for every entry point)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=req.top_k,
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
                                 ignore_eos=bool(req.ignore_eos), max_draft_tokens=req.max_draft_tokens,
                                 return_token_sources=bool(req.return_token_sources),
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                 presence_penalty=req.presence_penalty or 0.0,
                                 frequency_penalty=req.frequency_penalty or 0.0,
-                                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                                min_p=req.min_p or 0.0, logit_bias=req.logit_bias or None,
+                                repetition_penalty=given("repetition_penalty", 1.0),
+                                min_p=given("min_p", 0.0), logit_bias=req.logit_bias or None,
                                 bad_words=req.bad_words or None, structured_outputs=structured,
                                 min_tokens=req.min_tokens or 0,
                                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
