@@ -71,6 +71,8 @@ def kernel_out(m: torch.nn.Module, x: torch.Tensor, kernels=None) -> torch.Tenso
     w4, w8 = kernels or (cpu_kernels.w4a8(), cpu_kernels.w8a8())
     if isinstance(m, native.W4KLinear):
         return w4.linear_k(x, m.codes, m.sm, m.dd, m.high, out_dtype=torch.float32)
+    if isinstance(m, native.W6KLinear):
+        return w8.linear6(x, m.codes, m.d, m.sub, out_dtype=torch.float32)
     if isinstance(m, native.W4FLinear):
         return w4.linear(x, m.codes, m.scale, m.zero, out_dtype=torch.float32)
     return w8.linear_general(x, m.codes, m.scale, m.zero, m.sub, out_dtype=torch.float32)
@@ -87,7 +89,7 @@ def test_decoded_values_are_gguf_py_dequantize_to_the_bit(qtype) -> None:
     want = reference(raw, qtype)
     assert np.isfinite(want).all() and np.unique(want).size > 512  # not degenerate
     kind, parts = gguf_blocks.decode(raw, qtype)
-    assert kind == {QT.Q4_K: "q4k", QT.Q5_K: "q5k"}.get(qtype, "q8g")
+    assert kind == {QT.Q4_K: "q4k", QT.Q5_K: "q5k", QT.Q6_K: "q6k"}.get(qtype, "q8g")
     assert same_bits(gguf_blocks.values(parts), want)
 
 
@@ -97,7 +99,8 @@ def test_native_linear_holds_the_values_and_its_kernel_multiplies_them(qtype) ->
     raw = blocks(qtype, 48, 512, seed=3 + int(qtype))
     want = reference(raw, qtype)
     m = module(raw, qtype)
-    assert isinstance(m, native.W4KLinear if qtype in (QT.Q4_K, QT.Q5_K) else native.W8GLinear)
+    assert isinstance(m, {QT.Q4_K: native.W4KLinear, QT.Q5_K: native.W4KLinear,
+                          QT.Q6_K: native.W6KLinear}.get(qtype, native.W8GLinear))
     assert same_bits(m.dequantize(), want)  # packed and unpacked: the format's values exactly
     x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
     x[2, :32] = 0.0  # an all-zero group
@@ -157,11 +160,12 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_k_quants_in_their_own_scales_give_the_float_forms_bits(qtype) -> None:
-    """W4KLinear computes d sc and -dmin m in the kernel; W4FLinear (Q4_K) and W8GLinear (Q5_K, as int8
-    codes) read them precomputed in float32: the same numbers and integer sums, so the same bits, at
-    4.625 (Q4_K) or 5.625 (Q5_K) bits a weight against 6 and 10."""
+    """W4KLinear computes d sc and -dmin m in the kernel, W6KLinear rebuilds Q6_K's six-bit codes in
+    registers; W4FLinear (Q4_K) and W8GLinear (Q5_K, Q6_K as int8 codes) read them precomputed: the same
+    numbers and integer sums, so the same bits, at 4.625 (Q4_K), 5.625 (Q5_K) or 6.5625 (Q6_K) bits a
+    weight against 6, 10 and 9.5."""
     kind, p = gguf_blocks.decode(blocks(qtype, 64, 768, seed=11), qtype)
     p = {k: torch.from_numpy(v) for k, v in p.items()}
     k4 = native.build([kind], [p], None, torch.bfloat16, torch.device("cpu"))
@@ -171,10 +175,13 @@ def test_k_quants_in_their_own_scales_give_the_float_forms_bits(qtype) -> None:
     else:
         other = ["q8g", {"codes": torch.zeros(16, 768, dtype=torch.int8), "scale": torch.ones(16, 24)}]
     wide = native.build([kind, other[0]], [p, other[1]], None, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(k4, native.W4KLinear) and (k4.high is None) == (qtype == QT.Q4_K)
+    if qtype == QT.Q6_K:
+        assert isinstance(k4, native.W6KLinear)
+    else:
+        assert isinstance(k4, native.W4KLinear) and (k4.high is None) == (qtype == QT.Q4_K)
     assert isinstance(wide, native.W4FLinear if qtype == QT.Q4_K else native.W8GLinear)
     bits = sum(t.numel() * t.element_size() for t in k4.buffers()) * 8 / (64 * 768)
-    assert bits == (4.625 if qtype == QT.Q4_K else 5.625)
+    assert bits == {QT.Q4_K: 4.625, QT.Q5_K: 5.625, QT.Q6_K: 6.5625}[qtype]
     x = (torch.randn(7, 768, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
     assert torch.equal(kernel_out(k4, x), kernel_out(wide, x)[:, :64])
 
@@ -256,7 +263,7 @@ def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, 
     assert isinstance(l1.self_attn.qkv_proj, native.W4KLinear) and l1.self_attn.qkv_proj.high is not None  # Q4_K + Q5_K
     assert isinstance(l0.mlp.gate_up_proj, native.W4KLinear) and isinstance(l0.self_attn.o_proj, native.W4KLinear)
     assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
-    assert isinstance(l0.mlp.down_proj, native.W8GLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)
+    assert isinstance(l0.mlp.down_proj, native.W6KLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)
     assert isinstance(model.lm_head, W8A8OutputLinear)
     assert FusedStack.build(model) is not None  # the whole stack in one call, every kind in its table
 

@@ -252,6 +252,7 @@ class W8A8:
         self._columns = _bind(self._lib, "augury_w8a8_columns", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _P, _P], _I32)
         self._general = _bind(self._lib, "augury_w8g_linear",
                               [_P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
+        self._six = _bind(self._lib, "augury_w6k_linear", [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +291,62 @@ class W8A8:
         subs = None if sub is None else \
             sub.to(torch.int8).reshape(p, PANEL, g, 2).permute(0, 2, 3, 1).reshape(p, g, 2 * PANEL).contiguous()
         return q.contiguous(), panels(scale), panels(zero), subs
+
+    @staticmethod
+    def pack6(codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """GGUF Q6_K in six bits a code: codes [N, K] int8 q - 32 (-32..31), d [N, K / 256] float16, sub
+        [N, K / 16] int8 (w = d sub (q - 32)), N a multiple of 16 -> (codes [P, G, 384] uint8: four
+        blocks of 64 nibbles, then two of 64 two-bit pairs (csrc/w8a8.h's columns6), d [P, G / 8, 16]
+        float16, sub [P, G, 32] int8 as pack_codes()'s)."""
+        n, k = codes.shape
+        if k % (8 * GROUP) or n % PANEL:
+            raise ValueError(f"Q6_K needs in_features % 256 == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
+        g, p = k // GROUP, n // PANEL
+        u = (codes.cpu().numpy().astype(np.int16) + 32).astype(np.uint8)
+        u = u.reshape(p, PANEL, g, 8, 4).transpose(0, 2, 3, 1, 4)  # [panel, group, block, column, j]
+        lo, hi = u & 0x0F, u >> 4
+        nib = lo[:, :, :4] | (lo[:, :, 4:] << 4)  # block b's in the low nibble, b + 4's in the high
+        two = hi[:, :, 0:2] | (hi[:, :, 2:4] << 2) | (hi[:, :, 4:6] << 4) | (hi[:, :, 6:8] << 6)  # e: blocks e + 2 i
+        c = np.concatenate([nib.reshape(p, g, 256), two.reshape(p, g, 128)], axis=-1)
+        dd = d.to(torch.float16).reshape(p, PANEL, g // 8).transpose(1, 2).contiguous()
+        subs = sub.to(torch.int8).reshape(p, PANEL, g, 2).permute(0, 2, 3, 1).reshape(p, g, 2 * PANEL).contiguous()
+        return torch.from_numpy(np.ascontiguousarray(c)), dd, subs
+
+    @staticmethod
+    def unpack6(codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """pack6()'s inverse: (codes [N, K] int8 q - 32, d [N, K / 256] float16, sub [N, K / 16] int8)."""
+        p, g, _ = codes.shape
+        c = codes.numpy()
+        nib, two = c[..., :256].reshape(p, g, 4, PANEL, 4), c[..., 256:].reshape(p, g, 2, PANEL, 4)
+        lo = np.concatenate([nib & 0x0F, nib >> 4], axis=2)  # [p, g, 8 blocks, column, j]
+        hi = np.stack([(two >> (2 * i)) & 3 for i in range(4)], axis=2).reshape(p, g, 8, PANEL, 4)  # block 2 i + e
+        q = (lo | (hi << 4)).astype(np.int16) - 32
+        q = torch.from_numpy(q.astype(np.int8)).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g * GROUP)
+        return (q, d.transpose(1, 2).reshape(p * PANEL, g // 8),
+                sub.view(p, g, 2, PANEL).permute(0, 3, 1, 2).reshape(p * PANEL, 2 * g))
+
+    def linear6(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: Q6_K in six
+        bits a code (pack6()'s panels), the bits linear_general() gives the same weights."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w8a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        _expect("w8a8", "codes", codes, (torch.uint8,), (None, None, 384))
+        p, g, _ = codes.shape
+        if k != g * GROUP or g % 8:
+            raise ValueError(f"w8a8 (Q6_K): input has {k} features, the weights {g * GROUP} (a multiple of 256)")
+        _expect("w8a8", "d", d, (torch.float16,), (p, g // 8, PANEL))
+        _expect("w8a8", "sub", sub, (torch.int8,), (p, g, 2 * PANEL))
+        out_dtype = out_dtype or x.dtype
+        y = torch.empty(m, p * PANEL, dtype=out_dtype)
+        rc = self._six(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), d.data_ptr(),
+                       sub.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+        if rc:
+            raise RuntimeError(f"w8a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
 
     @staticmethod
     def unpack_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

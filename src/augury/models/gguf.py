@@ -20,7 +20,8 @@ described by `INT4_INDEX`: each tensor's kind, models/native.py), rows in HF ord
 - Q4_K ("q4k"): codes as int4's, its own scales d and dmin float16 [N, K/256], sc and m uint8
   [N, K/32] (6-bit), w = d * sc * q - dmin * m; Q5_K ("q5k") the same with the codes' fifth bits in
   `<name>.high` uint8 [N, K/8] (bit j of byte i: column 8i + j).
-- Q8_0, Q6_K, Q5_0, Q5_1 ("q8g"): codes int8 [N, K], scale float32 [N, K/32], and where the
+- Q6_K ("q6k"): codes int8 q - 32 [N, K], d float16 [N, K/256], sub int8 [N, K/16], w = d * sub * q.
+- Q8_0, Q5_0, Q5_1 ("q8g"): codes int8 [N, K], scale float32 [N, K/32], and where the
   format has them zero float32 [N, K/32] and sub int8 [N, K/16], w = scale * sub * q + zero, exact
   (models/gguf_blocks.py).
 Other types (IQ*, Q2_K, Q3_K, ...) are only in the dense file; the loader runs them dense and says so.
@@ -224,7 +225,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
             save_file(int4, str(staging / INT4_FILE), metadata={"format": INT4_FORMAT})
             index = {"format": INT4_FORMAT, "file": INT4_FILE, "group_size": _QK4,
                      "value": {"int4": "(q - 8) * scale + zero", "q4k": "d * sc * q - dmin * m",
-                               "q5k": "d * sc * (q + 16 * high) - dmin * m",
+                               "q5k": "d * sc * (q + 16 * high) - dmin * m", "q6k": "d * sub * q",
                                "q8g": "scale * sub * q + zero"},
                      "int4": sorted(n for n, k in kinds.items() if k == "int4"),
                      "kinds": kinds, "source_types": source_types}

@@ -21,7 +21,8 @@ bit (tests/test_gguf_kquants.py). Layouts as ggml defines them (ggml-common.h's 
   bytes: sub-block 2i the low nibbles of run i, 2i + 1 the high ones): w = d sc q - dmin m.
 - Q5_K (176 / 256): d, dmin, the scales as Q4_K, qh[32] (bit i of byte j: sub-block i's element
   j's fifth bit), qs[128] as Q4_K: w = d sc q - dmin m.
-- Q6_K (210 / 256): ql[128], qh[64], sc int8[16] (one per 16), d f16: q = 6 bits - 32, w = d sc q.
+- Q6_K (210 / 256): ql[128], qh[64], sc int8[16] (one per 16), d f16: q = 6 bits - 32, w = d sc q
+  (kept as codes q, d float16 [N, K / 256] and sub = sc).
 """
 from __future__ import annotations
 
@@ -120,8 +121,8 @@ def q6_k(blocks: np.ndarray) -> Parts:
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [N, B, 2, 4, 32]
     q = (low | (high << 4)).astype(np.int8) - np.int8(32)
     sub = blocks[..., 192:208].view(np.int8).reshape(n, -1)  # [N, B * 16]
-    d = _f16(blocks[..., 208:210])  # [N, B]
-    return {"codes": q.reshape(n, -1), "scale": _per_group(d, 8), "sub": sub}
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16)[..., 0]  # [N, B]
+    return {"codes": q.reshape(n, -1), "d": d, "sub": sub}
 
 
 # type -> (decoder, kind): "q4k" / "q5k" (codes 0..15 / 0..31 with Q4_K's / Q5_K's own scales, w4a8's
@@ -132,7 +133,7 @@ DECODERS = {
     _T.Q5_1: (q5_1, "q8g"),
     _T.Q4_K: (q4_k, "q4k"),
     _T.Q5_K: (q5_k, "q5k"),
-    _T.Q6_K: (q6_k, "q8g"),
+    _T.Q6_K: (q6_k, "q6k"),
 }
 
 
@@ -148,9 +149,11 @@ def decode(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[str, P
 def values(parts: Parts) -> np.ndarray:
     """The float32 weights the parts stand for, [N, K] (as the kernels see them; tests compare them
     with gguf-py's dequantize)."""
-    if "d" in parts:  # Q4_K's own scales
+    if "dmin" in parts:  # Q4_K's / Q5_K's own scales
         scale, zero = k_scales(parts)
         parts = {"codes": parts["codes"], "scale": scale, "zero": zero}
+    elif "d" in parts:  # Q6_K's d per 256: each group's scale
+        parts = {**parts, "scale": _per_group(parts["d"].astype(np.float32), 8)}
     codes = parts["codes"].astype(np.float32)
     n, k = codes.shape
     sub = parts.get("sub")

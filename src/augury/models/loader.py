@@ -274,7 +274,7 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
             new: torch.nn.Module | None = None
             # whole groups of 32 along the input (of 256 for Q4_K's super-blocks)
             whole_groups = all(p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
-                               ((parts.get(n), 256 if kinds.get(n) in ("q4k", "q5k") else quant.INT4_GROUP) for n in names))
+                               ((parts.get(n), 256 if kinds.get(n) in ("q4k", "q5k", "q6k") else quant.INT4_GROUP) for n in names))
             part_kinds = [kinds.get(n, "dense") for n in names]
             output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
             if whole_groups and not output_q8 and native.plan(part_kinds) is not None:
@@ -286,7 +286,7 @@ def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> in
                 # packed where it runs, for the kernel the dtype and device choose
                 new = native.build(part_kinds, blocks, getattr(dense, "bias", None), dtype, device)
                 count += new is not None
-            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k", "q5k") and \
+            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k", "q5k", "q6k") and \
                     (exact := native.output_layer(part_kinds[0], read(names[0]), dtype, device)) is not None:
                 new = exact  # Q8_0 as it is; Q6_K / Q5_* requantised from their exact values
                 count += sources.get(names[0]) == "Q8_0"

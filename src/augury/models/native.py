@@ -1,22 +1,26 @@
 """GGUF tensors run in their own formats' values (not dequantised): the linears and the plan.
 
 A GGUF conversion (models/gguf.py) writes each quantised tensor it can run natively to a side file
-in one of three kinds (models/gguf_blocks.py decodes the blocks):
+in one of these kinds (models/gguf_blocks.py decodes the blocks):
 
 - "int4": Q4_0 / Q4_1, codes 0..15 with w = (q - 8) scale + zero (quant.Int4Linear, the w4a8 kernel
   with bfloat16 scales: 5 bits a weight);
 - "q4k": Q4_K, codes 0..15 and its own scales, w = d sc q - dmin m (W4KLinear, the w4a8 kernel's
   super-block form: d, dmin float16 per 256, sc, m 6-bit per 32 in a byte each: 4.625 bits a weight,
   the format's values exactly);
-- "q8g": Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, int8 codes with w = scale sub q + zero, a float32 scale per
-  32, Q6_K's int8 scale per 16 as `sub` and Q5_1 / Q5_K's float32 zero per 32 (W8GLinear, the w8a8
-  kernel's general form: exact, 9-10.5 bits a weight).
+- "q5k": Q5_K, the same with codes 0..31, their fifth bits beside (W4KLinear too: 5.625 bits);
+- "q6k": Q6_K, codes q - 32 in six bits, d float16 per 256, int8 sub-scales per 16 (W6KLinear, the
+  w8a8 kernel's six-bit form: 6.5625 bits a weight, exact);
+- "q8g": Q8_0, Q5_0, Q5_1, int8 codes with w = scale sub q + zero, a float32 scale per 32 and Q5_1's
+  float32 zero per 32 (W8GLinear, the w8a8 kernel's general form: exact, 9-10 bits a weight; it also
+  takes Q6_K's sub-scales and the K-quants' mins where a linear mixes them with an 8-bit part).
 
 One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
 keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
-exactly: all int4 -> Int4Linear; all q4k -> W4KLinear; 4-bit parts of both -> W4FLinear (float32
-scale and zero per 32, 6 bits a weight: Q4_K's d sc and -dmin m exactly, Q4_0's zero -8d exactly,
-Q4_1's m + 8d as rounded once already); any q8g -> W8GLinear (4-bit codes are int8 codes too). A part
+exactly: all int4 -> Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear; int4 with q4k ->
+W4FLinear (float32 scale and zero per 32, 6 bits a weight: Q4_K's d sc and -dmin m exactly, Q4_0's
+zero -8d exactly, Q4_1's m + 8d as rounded once already); anything else W8GLinear (4-, 5- and 6-bit
+codes are int8 codes too, with their sub-scales and zeros). A part
 with no native kind (an IQ type, F16) keeps the whole linear dense, and the loader names every such
 linear and its types in one start-up line.
 """
@@ -31,9 +35,9 @@ from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8Out
 
 log = logging.getLogger(__name__)
 
-KINDS = ("int4", "q4k", "q5k", "q8g")
+KINDS = ("int4", "q4k", "q5k", "q6k", "q8g")
 # forward.cpp's projection kinds (its Kind enum)
-FUSED_W4F, FUSED_W8G, FUSED_W4K = 2, 3, 4
+FUSED_W4F, FUSED_W8G, FUSED_W4K, FUSED_W6K = 2, 3, 4, 5
 
 
 class W4FLinear(_QuantLinear):
@@ -133,6 +137,51 @@ class W4KLinear(_QuantLinear):
         return super().extra_repr() + f", w4a8 {'Q5_K' if self.high is not None else 'Q4_K'} super-block scales"
 
 
+class W6KLinear(_QuantLinear):
+    """GGUF's Q6_K in its own six bits a code, w = d sub (q - 32) (d float16 per 256, sub int8 per 16),
+    on the w8a8 kernel's six-bit form (bfloat16, CPU): the bits W8GLinear gives the same weights, in
+    6.5625 bits a weight instead of 9.5."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """codes [N, K] int8 q - 32; d [N, K / 256] float16; sub [N, K / 16] int8."""
+        kernel = cpu_kernels.w8a8()
+        n, k = codes.shape
+        if kernel is None or n % INT4_N_MULTIPLE or k % (8 * INT4_GROUP):
+            raise ValueError(f"W6KLinear needs augury's w8a8 kernel and a [N % 16, K % 256] shape, got [{n}, {k}]")
+        super().__init__(bias, torch.bfloat16, torch.device("cpu"))
+        self.out_features, self.in_features = n, k
+        c, dd, sb = kernel.pack6(codes, d, sub)
+        self.register_buffer("codes", c)  # [N/16, K/32, 384] uint8
+        self.register_buffer("d", dd)  # [N/16, K/256, 16] float16
+        self.register_buffer("sub", sb)  # [N/16, K/32, 32] int8
+
+    def dequantize(self) -> torch.Tensor:
+        codes, d, sub = cpu_kernels.W8A8.unpack6(self.codes, self.d, self.sub)
+        s = d.float().repeat_interleave(8 * INT4_GROUP, dim=1) * sub.float().repeat_interleave(INT4_GROUP // 2, dim=1)
+        return s * codes.float()
+
+    def scales_device(self) -> torch.device:
+        return self.d.device
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_kernels.w8a8()
+        if kernel is None:
+            raise RuntimeError("this linear was packed for augury's w8a8 kernel, which is unavailable now")
+        return kernel.linear6(x, self.codes, self.d, self.sub)
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            return None
+        return [FUSED_W6K, self.codes.data_ptr(), self.d.data_ptr(), 0, self.sub.data_ptr(),
+                0 if b is None else b.data_ptr()]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", w8a8 Q6_K six-bit codes"
+
+
 class W8GLinear(_QuantLinear):
     """int8 codes, w = scale sub q + zero (a float32 scale per 32; an int8 sub-scale per 16 and a
     float32 zero per 32 where given), on the w8a8 kernel's general form (bfloat16, CPU): GGUF's Q8_0,
@@ -204,6 +253,8 @@ def _as_q4f(kind: str, p: Part) -> Part:
 def _as_q8g(kind: str, p: Part) -> Part:
     if kind == "q8g":
         return p
+    if kind == "q6k":  # d per 256 as the scale of each of its 8 groups
+        return {"codes": p["codes"], "scale": p["d"].float().repeat_interleave(8, dim=1), "sub": p["sub"]}
     if kind in ("q4k", "q5k"):
         p = _q4k_scales(p)
     # 4-bit parts as int8 codes: int4's (q - 8) s + z as code q - 8 with zero z; q4k's with
@@ -220,6 +271,8 @@ def plan(kinds: list[str]) -> str | None:
         return "int4"
     if all(k in ("q4k", "q5k") for k in kinds):
         return "q4k"
+    if all(k == "q6k" for k in kinds):
+        return "q6k"
     return "q4f" if all(k in ("int4", "q4k") for k in kinds) else "q8g"
 
 
@@ -240,6 +293,10 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
         if cpu_kernels.w4a8() is None or parts[0]["codes"].shape[1] % (8 * INT4_GROUP):
             return None
         return W4KLinear(*(torch.cat([p[k] for p in parts]) for k in ("codes", "d", "dmin", "sc", "m")), bias)
+    if kind == "q6k":
+        if cpu_kernels.w8a8() is None or parts[0]["codes"].shape[1] % (8 * INT4_GROUP):
+            return None
+        return W6KLinear(*(torch.cat([p[k] for p in parts]) for k in ("codes", "d", "sub")), bias)
     if kind == "q4f":
         if cpu_kernels.w4a8() is None:
             return None
@@ -270,6 +327,8 @@ def output_layer(kind: str, part: Part, dtype: torch.dtype, device: torch.device
     or without the kernel."""
     if kind in ("q4k", "q5k"):
         part = _q4k_scales(part)
+    elif kind == "q6k":
+        part = _as_q8g(kind, part)
     kernel = cpu_kernels.w8a8()
     codes = part["codes"]
     n, k = codes.shape

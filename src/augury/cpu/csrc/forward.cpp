@@ -53,7 +53,8 @@ namespace {
 // w8a8 kernel's general form (C, S, optional Z and X: sub-scales per 16; Q8_0, Q6_K, Q5_*), int4 with
 // Q4_K's own super-block scales (C, S: sc and m uint8, Z: d and dmin float16, X: Q5_K's fifth bits or 0;
 // w4a8.h).
-enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4 };
+// Q6_K in six bits a code (C, S: d float16, X: sub-scales; w8a8.h's columns6).
+enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4, W6K = 5 };
 enum Part { P_KIND, P_C, P_S, P_Z, P_X, P_B, PART_FIELDS };
 enum Field {
     LN1,
@@ -146,6 +147,11 @@ inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Round
             round_rows(x, true, T, a, bar);
             columns(a, T, at<const uint8_t>(p, f + P_C), at<const uint8_t>(p, f + P_S), at<const uint16_t>(p, f + P_Z),
                     N, store, bar, at<const uint8_t>(p, f + P_X));
+            break;
+        case W6K:
+            round_rows(x, true, T, a, bar);
+            augury::w8a8::columns6(a, T, at<const uint8_t>(p, f + P_C), at<const uint16_t>(p, f + P_S),
+                                   at<const int8_t>(p, f + P_X), N, store, bar);
             break;
         case W8G:
             round_rows(x, true, T, a, bar);

@@ -114,3 +114,17 @@ extern "C" int augury_w8g_linear(const void *x, int x_bf16, int64_t M, int64_t K
                              [&](augury::Barrier &bar) { columns(a, M, w, s, z, sub, N, store, bar); });
     return 0;
 }
+
+// Q6_K in its own six bits a code (w8a8.h's columns6): codes [P, G, 384], d [P, G / 8, 16] float16 bits,
+// sub [P, G, 32] int8; N a multiple of 16, K of 256. The general form's bits for the same weights.
+// Returns 0, 1 for bad shapes, 2 when out of memory.
+extern "C" int augury_w6k_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
+                                 const uint16_t *d, const int8_t *sub, int64_t N, void *y, int y_bf16, int nthreads) {
+    if (K % (8 * GROUP) || M < 0 || N < 0 || N % PANEL) return 1;
+    OwnedRounded a(M, K, K / GROUP);
+    if (!a.ok()) return 2;
+    const StoreY store{y, y_bf16 != 0, N};
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) { columns6(a, M, codes, d, sub, N, store, bar); });
+    return 0;
+}

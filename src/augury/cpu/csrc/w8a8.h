@@ -23,6 +23,7 @@ using namespace augury::w4a8;
 constexpr int W8_PANEL_BYTES = 512;  // codes per panel and group: 8 blocks of 64, byte 4 c + j of block b
                                      // = column c's weight at k = 32 g + 4 b + j
 constexpr int SUB_BYTES = 32;        // sub-scales per panel and group: [half 0: 16 columns, half 1: 16 columns]
+constexpr int W6_PANEL_BYTES = 384;  // Q6_K's six-bit codes per panel and group (columns6)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // one panel against R rows: out[r * 16 + c]. Without sub-scales each group's dot is (w + 128) x xq
@@ -75,6 +76,48 @@ inline void panel8(const int8_t *pw, const float *ps, const float *pz, const int
             if constexpr (ZERO) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(pz + g * PANEL), _mm512_set1_ps(xs[r * Gp + g]),
                                                          acc[r]);
         }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
+}
+
+// Q6_K in six bits a code (panel6's layout, see the general form's comment at columns6): w = d sub (q - 32)
+template <int R>
+inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, int64_t G, int64_t Gp,
+                   const int8_t *xq, const float *dx, const int32_t *xsum, int64_t K, float *out) {
+    (void)xsum;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03), off = _mm512_set1_epi8(32);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *blk = pc + g * W6_PANEL_BYTES;
+        prefetch_next(blk + G * W6_PANEL_BYTES, W6_PANEL_BYTES);
+        __m512i dot[R];
+        for (int half = 0; half < 2; half++) {
+            __m512i ih[R];
+            for (int r = 0; r < R; r++) ih[r] = _mm512_setzero_si512();
+            for (int b = 4 * half; b < 4 * half + 4; b++) {
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(blk + 64 * (b & 3)), 4 * (b >> 2)), low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(blk + 256 + 64 * (b & 1)), 2 * (b >> 1)), low2);
+                const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off);  // q - 32
+                const __m512i aw = _mm512_abs_epi8(w);
+                const __mmask64 neg = _mm512_movepi8_mask(w);
+                for (int r = 0; r < R; r++) {
+                    const __m512i x = _mm512_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
+                    ih[r] = _mm512_dpbusd_epi32(ih[r], aw, _mm512_mask_sub_epi8(x, neg, zero, x));
+                }
+            }
+            const __m512i sub = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half)));
+            for (int r = 0; r < R; r++) {
+                const __m512i t = _mm512_mullo_epi32(ih[r], sub);
+                dot[r] = half ? _mm512_add_epi32(dot[r], t) : t;
+            }
+        }
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(pd + g / 8 * PANEL)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])),
+                                     acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
 }
@@ -158,6 +201,50 @@ inline void panel8(const int8_t *pw, const float *ps, const float *pz, const int
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
     }
 }
+
+// Q6_K in six bits a code (see columns6), a half of 8 columns at a time: w = d sub (q - 32)
+template <int R>
+inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, int64_t G, int64_t Gp,
+                   const int8_t *xq, const float *dx, const int32_t *xsum, int64_t K, float *out) {
+    (void)xsum;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *blk = pc + g * W6_PANEL_BYTES + 32 * h;
+            if (h == 0) prefetch_next(blk + G * W6_PANEL_BYTES, W6_PANEL_BYTES);
+            __m256i dot[R];
+            for (int half = 0; half < 2; half++) {
+                __m256i ih[R];
+                for (int r = 0; r < R; r++) ih[r] = _mm256_setzero_si256();
+                for (int b = 4 * half; b < 4 * half + 4; b++) {
+                    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * (b & 3)));
+                    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 256 + 64 * (b & 1)));
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(n, 4 * (b >> 2)), low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 2 * (b >> 1)), low2);
+                    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);  // q - 32
+                    const __m256i aw = _mm256_sign_epi8(w, w);  // |w|
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
+                        ih[r] = dpbusd8(ih[r], aw, _mm256_sign_epi8(x, w));
+                    }
+                }
+                const __m256i sub = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half + 8 * h)));
+                for (int r = 0; r < R; r++) {
+                    const __m256i t = _mm256_mullo_epi32(ih[r], sub);
+                    dot[r] = half ? _mm256_add_epi32(dot[r], t) : t;
+                }
+            }
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(pd + g / 8 * PANEL + 8 * h)));
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * Gp + g])),
+                                         acc[r]);
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r]);
+    }
+}
 #undef AUGURY_VNNI256
 #endif
 
@@ -196,6 +283,47 @@ inline void columns_as(const Rounded &a, int64_t M, const int8_t *codes, const f
                 float out[ROW_BLOCK_MAX * PANEL];
                 panel_rows<SUB, ZERO>(static_cast<int>(r), pw, ps, pz, psub, G, Gp, a.xq + m0 * K, a.dx + m0 * Gp,
                                       a.xs + m0 * Gp, a.xsum + m0 * Gp, K, out);
+                for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
+            }
+        }
+    }
+    bar.wait();
+}
+
+// GGUF's Q6_K in its own six bits a code (6.5625 bits a weight instead of the general form's 9.5):
+// per panel and group 384 bytes: 4 blocks of 64 nibbles (byte 4 c + j of block b: the general form's
+// block b's code q + 32 in its low nibble, block b + 4's in its high one), then 2 blocks of 64 of
+// two-bit pairs (byte 4 c + j of block e: bits 2 i, 2 i + 1 the top two bits of block e + 2 i's);
+// d [P, G / 8, 16] float16 (one per 256 and column), sub [P, G, 32] int8 as the general form's. Each
+// block's codes are rebuilt as q - 32 in registers and summed as the general form's sub-scaled ones
+// (|w| x (xq carrying w's sign), then sub_0 dot_0 + sub_1 dot_1, then fma(float(dot), d dx, acc)):
+// the same integers and float operations, the same bits.
+template <class Store>
+inline void columns6(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *d, const int8_t *sub,
+                     int64_t N, Store store, augury::Barrier &bar) {
+    const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
+    for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
+        const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *pc = codes + p * G * W6_PANEL_BYTES;
+            const uint16_t *pd = d + p * (G / 8) * PANEL;
+            const int8_t *psub = sub + p * G * SUB_BYTES;
+            for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
+                r = block_rows(t1 - m0);
+                float out[ROW_BLOCK_MAX * PANEL];
+                const int8_t *xr = a.xq + m0 * K;
+                const float *dr = a.dx + m0 * Gp;
+                const int32_t *ir = a.xsum + m0 * Gp;
+                switch (r) {
+#define AUGURY_ROWS(n) \
+    case n: panel6<n>(pc, pd, psub, G, Gp, xr, dr, ir, K, out); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                    AUGURY_ROWS(8) AUGURY_ROWS(7)
+#endif
+                    AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+#undef AUGURY_ROWS
+                }
                 for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
             }
         }
