@@ -1,5 +1,5 @@
 """Chat messages -> the prompt: the messages as the chat template takes them (tool calls and tool
-answers natively, or as hermes text for a template that knows no tools), rendered with vLLM's
+answers natively, or as text in the tool-call format for a template that renders no calls), rendered with vLLM's
 template fields (add_generation_prompt, continue_final_message, chat_template_kwargs,
 add_special_tokens). Runs on the server's tokenizer thread (render) or the event loop (the rest).
 """
