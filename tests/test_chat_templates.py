@@ -200,3 +200,18 @@ def test_chat_template_from_a_file_or_a_string(tmp_path: Path) -> None:
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not parse"):
         load_chat_template("{% for m in messages %}{{ m.content }}")
+
+
+def test_the_prompt_end_and_which_markers_are_special_tokens() -> None:
+    """serving._answer_start: the prompt's last characters (where reasoning starts) and whether a tool
+    format's markers are special tokens, which the text leaves out unless the request keeps them."""
+    from augury.server.serving import _answer_start
+
+    tok = tokenizer(MISTRAL)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.add_tokens(["<think>", "</think>"])
+    ids = tok.encode("<think>", add_special_tokens=False)
+    tail, keep = _answer_start(tok, ids, ("[TOOL_CALLS]", "[ARGS]"))
+    assert tail.endswith("<think>") and keep
+    assert _answer_start(tok, ids, ("<|python_tag|>",))[1] is False
+    assert _answer_start(tok, ids, ())[1] is False
