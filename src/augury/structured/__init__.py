@@ -1,7 +1,9 @@
 """Structured output and logit shaping: a request's constraint compiled by xgrammar (backend.py), and
 the per-request object that shapes its logits wherever a token is chosen, in decode steps and in
 speculative verification alike (shaper.py), and prunes and extends its draft trees (the grammar as
-a proposer). tools.py builds the tool-call grammar and parses tool calls out of the text."""
+a proposer). tools.py checks OpenAI's tools and builds their grammars; tool_formats.py and
+tool_parsers.py read tool calls out of the text in each model family's format, whole or streamed;
+reasoning.py splits a <think> block off the answer and places a constraint after it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
