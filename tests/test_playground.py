@@ -117,7 +117,9 @@ def test_completions_and_whole_answers_carry_it_too(server):
 
 # ------------------------------------------------------------------------------------- the browser
 
-def _browser_or_skip() -> str:
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The system's Chromium (asked for before the demo server starts: a skip costs nothing)."""
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -141,17 +143,16 @@ def demo_server() -> Iterator[ServerProcess]:
         yield sp
 
 
-def test_the_playground_in_a_real_browser(demo_server, capsys):
+def test_the_playground_in_a_real_browser(chromium, demo_server, capsys):
     """Load /, type the key, ask for JSON under a schema, wait for the stream to end: at least one
     accepted draft is coloured, the strip has a bar per step, tok/s is shown, nothing went to another
     origin and the page logged no error."""
-    executable = _browser_or_skip()
     from playwright.sync_api import sync_playwright
 
     base = demo_server.base_url
     t0 = time.monotonic()
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             errors: list[str] = []
