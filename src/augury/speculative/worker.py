@@ -49,6 +49,9 @@ FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per reques
 # varied chats: steps with lookup chains ran at 0.52-0.76x of plain steps' tokens a second at batch 16 in
 # three runs, and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
 LOOKUP_BATCH = 1
+# a suffix-first step's reason (outputs.SpecStep.reason; _forced_only words it as a step without proposer drafts)
+SUFFIX_FIRST = (f"the suffix draft is expected to yield at least {SUFFIX_ALONE:g} tokens: verified alone, "
+                "the policy not asked")
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
@@ -111,7 +114,8 @@ class Speculator:
             self._thread_changes = changes
             self.policy.costs_changed()
             self.forced_gate.costs_changed()
-        if self._suffix_first(reqs) and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs):
+        if self._suffix_first(reqs) and self.forced_gate.allowed(len(reqs)) and self._forced_only(
+                host, reqs, [SUFFIX_FIRST] * len(reqs) if any(r.spec_steps is not None for r in reqs) else None):
             return True
         why: Why | None = None  # the policy's account of its plan, when it was asked for one
         if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
