@@ -86,8 +86,9 @@ class RequestOutput:
     ``token_sources`` and ``spec_steps`` (only when SamplingParams.return_token_sources is set, else
     None; covering what ``token_ids`` covers, by output kind): per generated token, how it came,
     one of TOKEN_SOURCES ("head", "lookup", "forced": an accepted draft of the EAGLE-3 head, of
-    prompt lookup, a grammar's forced token; "target": the target's own, sampled or the bonus token
-    of a verification); per decode step, a SpecStep (the prefill's first token has none).
+    text lookup (suffix drafts, prompt lookup), a grammar's forced token; "target": the target's
+    own, sampled or the bonus token of a verification); per decode step, a SpecStep (the prefill's
+    first token has none).
     """
 
     request_id: str

@@ -128,7 +128,7 @@ class SamplingParams:
     with nothing in between (engine/detokenizer.py).
 
     ``return_token_sources`` (augury's): outputs also say how each generated token came
-    (RequestOutput.token_sources: an accepted draft of the EAGLE-3 head, of prompt lookup, a
+    (RequestOutput.token_sources: an accepted draft of the EAGLE-3 head, of text lookup, a
     grammar's forced token, or the target's own) and what speculation decided at each decode step
     for this request (RequestOutput.spec_steps). Off by default: a request that does not ask keeps
     no such lists.

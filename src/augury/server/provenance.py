@@ -5,7 +5,7 @@ came and what speculation did at each step, in an `augury` object beside a choic
                "steps": [{"mode": "draft", "draft_tokens": 8, "accepted": 3, "reason": "on: ..."}, ...]}
 
 `tokens`: one entry per generated token, in order, its source one of outputs.TOKEN_SOURCES ("head",
-"lookup", "forced": an accepted draft of the EAGLE-3 head, of prompt lookup, a grammar's forced
+"lookup", "forced": an accepted draft of the EAGLE-3 head, of text lookup, a grammar's forced
 token; "target": the target's own) and its text, decoded in the context of the tokens before it
 (TokenPieces), so the texts join to the generated text; a token that ends inside a character
 (byte-level tokenizers) has "" and the character comes with the token that completes it; a stop
