@@ -463,7 +463,8 @@ COVERED = {  # every field and route of docs/api.md's table -> the test above th
     "--allowed-origins ORIGIN...": "test_cors", "--served-model-name NAME...": "test_served_model_names",
 }
 # fields of the table sent by another test file, where their effect needs a draft model
-ELSEWHERE = {"max_draft_tokens": "test_server_speculative.py", "AUGURY_API_KEY": "test_server_auth.py"}
+ELSEWHERE = {"max_draft_tokens": "test_server_speculative.py", "AUGURY_API_KEY": "test_server_auth.py",
+             "return_token_sources": "test_playground.py"}
 
 
 def test_the_docs_table_is_what_these_tests_send() -> None:
