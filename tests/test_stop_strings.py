@@ -167,8 +167,8 @@ def _stream(llm: LLM, prompt: list[int], params: SamplingParams):
     commits: list[tuple[int, int]] = []
     real_commit = engine.commit
 
-    def spy(req, tokens, logprobs=None):
-        kept = real_commit(req, tokens, logprobs)
+    def spy(req, tokens, logprobs=None, sources=None):
+        kept = real_commit(req, tokens, logprobs, sources)
         commits.append((len(tokens), kept))
         return kept
 
