@@ -147,3 +147,17 @@ def verify_sampling(tree: DraftTree, target_probs: verifier.NodeValues,
         uniforms = [fresh[b] for b in rows]
     walk = verifier._walk(tree, rows, verifier._rows_at(target_probs), verifier._sampling_step(uniforms))
     return verifier._result(walk, tree.batch_size)
+
+
+def tokenized_checkpoints(root: Path) -> dict[str, Path]:
+    """A 2-layer random target with the server tests' byte-level tokenizer ("target"), and a random
+    EAGLE-3 head over its whole vocabulary ("head"): for tests that need text (grammars, bad words,
+    stop strings) through plain and speculative engines."""
+    from transformers import AutoTokenizer
+
+    from helpers_server import make_tiny_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(str(make_tiny_checkpoint(root / "tok")))
+    target = make_target(root / "target", vocab=len(tok), layers=2)
+    tok.save_pretrained(str(target))
+    return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}

@@ -14,8 +14,7 @@ import torch
 from augury import LLM, SamplingParams
 from augury.sampling import NO_TOKEN, apply_sampling_filters, argmax_ids, draw_rows
 from augury.sampling_params import StructuredOutputsParams as SO
-from helpers_server import make_tiny_checkpoint
-from speculative_helpers import make_target, random_head
+from speculative_helpers import tokenized_checkpoints
 
 
 def test_rows_without_a_valid_token_give_no_token():
@@ -33,13 +32,7 @@ def test_rows_without_a_valid_token_give_no_token():
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("isolation")
-    tok = AutoTokenizer.from_pretrained(str(make_tiny_checkpoint(root / "tok")))
-    target = make_target(root / "target", vocab=len(tok), layers=2)
-    tok.save_pretrained(str(target))
-    return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}
+    return tokenized_checkpoints(tmp_path_factory.mktemp("isolation"))
 
 
 def _llm(ckpts, spec: bool) -> LLM:

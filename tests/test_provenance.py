@@ -21,16 +21,9 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [30, 40], [50, 60, 70, 80, 90]]
 def ckpts(tmp_path_factory):
     """A 2-layer random target with the server tests' byte-level tokenizer, and a random EAGLE-3 head
     (its drafts all but never accepted: what is accepted came from elsewhere)."""
-    from transformers import AutoTokenizer
+    from speculative_helpers import tokenized_checkpoints
 
-    from helpers_server import make_tiny_checkpoint
-    from speculative_helpers import make_target, random_head
-
-    root = tmp_path_factory.mktemp("provenance")
-    tok = AutoTokenizer.from_pretrained(str(make_tiny_checkpoint(root / "tok")))
-    target = make_target(root / "target", vocab=len(tok), layers=2)
-    tok.save_pretrained(str(target))
-    return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}
+    return tokenized_checkpoints(tmp_path_factory.mktemp("provenance"))
 
 
 def _llm(ckpts, **kw):

@@ -14,20 +14,13 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.sampling_params import StructuredOutputsParams as SO
-from helpers_server import make_tiny_checkpoint
-from speculative_helpers import make_target, random_head
+from speculative_helpers import tokenized_checkpoints
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     """A 2-layer random target with the server tests' byte-level tokenizer, and a random EAGLE-3 head."""
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("structured")
-    tok = AutoTokenizer.from_pretrained(str(make_tiny_checkpoint(root / "tok")))
-    target = make_target(root / "target", vocab=len(tok), layers=2)
-    tok.save_pretrained(str(target))
-    return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}
+    return tokenized_checkpoints(tmp_path_factory.mktemp("structured"))
 
 
 @pytest.fixture(scope="module")
