@@ -350,11 +350,13 @@ def test_per_request_budgets_greedy_equal_plain(ckpts, algorithm):
         llm = LLM(str(target), dtype="float32", speculative_algorithm="ngram", speculative_policy="adaptive",
                   speculative_num_steps=4, speculative_eagle_topk=1, speculative_num_draft_tokens=5,
                   log_stats_interval=0, max_num_seqs=8)
-    else:  # a random head (its drafts fail) and a prompt-lookup branch (copies succeed)
+    else:  # a random head (its drafts fail) and a prompt-lookup branch (copies succeed); no cache across
+        # requests: the random prompts' answers join the cycle the copying ones already wrote, and drafts
+        # from those would be accepted (tests/test_suffix.py checks that)
         llm = LLM(str(target), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
                   speculative_policy="adaptive", speculative_num_steps=2, speculative_eagle_topk=2,
                   speculative_num_draft_tokens=4, speculative_ngram_branch=6, log_stats_interval=0,
-                  max_num_seqs=8)
+                  max_num_seqs=8, speculative_suffix_cache_tokens=0)
     policy = llm.engine.speculator.policy
     assert isinstance(policy, AdaptivePolicy)
     plans = _fixed_costs_and_spy(policy, 0.003)
