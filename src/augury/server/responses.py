@@ -262,10 +262,11 @@ def response_object(state: ServerState, req: ResponsesRequest, rid: str, created
             "tools": req.tools or [], "top_p": req.top_p, "truncation": "disabled", "usage": use, "user": req.user}
 
 
-async def responses_usage(state: ServerState, job: Any, outs: list[Any], output: list[dict[str, Any]]) -> dict[str, Any]:
+async def responses_usage(state: ServerState, job: Any, outs: list[Any], generated: int,
+                          output: list[dict[str, Any]]) -> dict[str, Any]:
     """Responses' usage from chat's (streams.usage, augury's `speculative` included); reasoning tokens
     counted by encoding the reasoning text again (the engine does not tell them apart)."""
-    chat = usage(job.prompt_tokens, sum(len(o.token_ids) for o in outs), outs)
+    chat = usage(job.prompt_tokens, generated, outs)
     thought = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
     reasoning = 0
     if thought and state.tokenizer is not None:
@@ -319,11 +320,12 @@ async def response_events(state: ServerState, req: ResponsesRequest, job: Any, g
     start = response_object(state, req, rid, created, "in_progress", [])
     yield event({"type": "response.created", "response": start})
     yield event({"type": "response.in_progress", "response": start})
-    observe, parser, builder, finals = Observer(state, t0), ChatTextStream(job), OutputBuilder(), []
+    observe, parser, builder, finals, generated = Observer(state, t0), ChatTextStream(job), OutputBuilder(), [], 0
     try:
         async for _, out in group.outputs():  # deltas (admit asks for them when streaming)
             observe(out)
             job.note(out)
+            generated += len(out.new_token_ids)
             deltas = parser.feed(out.new_text) if out.new_text else []
             if out.finished:
                 finals.append(out)
@@ -340,7 +342,7 @@ async def response_events(state: ServerState, req: ResponsesRequest, job: Any, g
     finish = finals[0].finish_reason if finals else None
     for body in builder.finish("incomplete" if finish == "length" else "completed"):
         yield event(body)
-    use = await responses_usage(state, job, finals, builder.items)
+    use = await responses_usage(state, job, finals, generated, builder.items)
     error = finals[0].error if finals and finish == "error" else None
     response = response_object(state, req, rid, created, "completed", builder.items, use, finish, error)
     keep(state, req, response, items)
@@ -365,7 +367,7 @@ def add_response_routes(app, state: ServerState, dependencies: list, responses: 
         out = outs[0]
         job.note(out)
         output = items_of(job, out.text, out.finish_reason)
-        use = await responses_usage(state, job, outs, output)
+        use = await responses_usage(state, job, outs, len(out.token_ids), output)
         response = response_object(state, body, job.request_id, created, "completed", output, use,
                                    out.finish_reason, out.error if out.finish_reason == "error" else None)
         keep(state, body, response, items)
