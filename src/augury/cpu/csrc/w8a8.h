@@ -224,12 +224,21 @@ inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, in
                     const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(n, 4 * (b >> 2)), low4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 2 * (b >> 1)), low2);
                     const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);  // q - 32
-                    const __m256i aw = _mm256_sign_epi8(w, w);  // |w|
+                    const __m256i aw = _mm256_sign_epi8(w, w);  // |w| <= 32
                     for (int r = 0; r < R; r++) {
-                        const __m256i x = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b));
-                        ih[r] = dpbusd8(ih[r], aw, _mm256_sign_epi8(x, w));
+                        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)), w);
+#if AUGURY_VNNI256
+                        ih[r] = dpbusd8(ih[r], aw, x);
+#else
+                        // AVX2: the half's maddubs pair sums added in int16 (4 x 2 * 32 * 127 < 2^15), widened
+                        // once per half below: the same integers, fewer instructions (compute-bound here)
+                        ih[r] = _mm256_add_epi16(ih[r], _mm256_maddubs_epi16(aw, x));
+#endif
                     }
                 }
+#if !AUGURY_VNNI256
+                for (int r = 0; r < R; r++) ih[r] = _mm256_madd_epi16(ih[r], _mm256_set1_epi16(1));
+#endif
                 const __m256i sub = _mm256_cvtepi8_epi32(
                     _mm_loadl_epi64(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half + 8 * h)));
                 for (int r = 0; r < R; r++) {
