@@ -42,6 +42,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 class EngineConfig:
     model: str = "demo"
     draft_model: str | None = None
+    revision: str | None = None  # of a model given as a Hugging Face Hub name (resolve.py); None: main
+    draft_revision: str | None = None  # of a draft model given as a Hub name
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
@@ -126,7 +128,11 @@ class EngineConfig:
                      "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "threads"):
             positive(name)
         if not isinstance(self.model, str) or not self.model.strip():
-            raise ValueError("model must name a checkpoint folder, a .gguf file or 'demo'")
+            raise ValueError("model must name a checkpoint folder, a Hugging Face Hub name, a .gguf file or 'demo'")
+        for name in ("revision", "draft_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a branch, tag or commit of the Hugging Face Hub, got {value!r}")
         b = self.speculative_ngram_branch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 32):
             raise ValueError(f"speculative_ngram_branch must be an integer in [0, 32], got {b!r}")
@@ -214,9 +220,12 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("model", "--model", str,
-           "what to run: a Hugging Face checkpoint folder, a llama-architecture .gguf file (converted once "
-           "into the user cache), or 'demo' (SmolLM2-135M-Instruct with the EAGLE-3 head shipped in augury, "
-           "downloaded once)", metavar="MODEL"),
+           "what to run: a Hugging Face checkpoint folder, a Hugging Face Hub name (Org/Name: fetched into the "
+           "Hugging Face cache; HF_HUB_OFFLINE=1 uses the cache alone), a llama-architecture .gguf file "
+           "(converted once into the user cache), or 'demo' (SmolLM2-135M-Instruct with the EAGLE-3 head "
+           "shipped in augury, downloaded once)", metavar="MODEL"),
+    Option("revision", "--revision", str, "the branch, tag or commit of a --model given as a Hub name",
+           default_help="main", metavar="REV"),
     Option("dtype", "--dtype", str,
            "weights and compute dtype: auto (the checkpoint's own; bfloat16 for float16 checkpoints on CPU), "
            "float32, bfloat16 or float16", metavar="DTYPE"),
@@ -254,8 +263,10 @@ OPTIONS: tuple[Option, ...] = (
            "decoding alone: drafts from the request's own text and recent requests' outputs), ngram (prompt "
            "lookup drafts) or none (plain decoding)", default_help="eagle3 when a head is given or shipped, else none", metavar="NAME"),
     Option("draft_model", "--speculative-draft-model-path", str,
-           "EAGLE-3 head folder (the SGLang/vLLM format) to draft with",
+           "EAGLE-3 head (the SGLang/vLLM format) to draft with: a folder, or a Hugging Face Hub name (Org/Name)",
            default_help="the head shipped for 'demo', else none", metavar="DIR"),
+    Option("draft_revision", "--speculative-draft-model-revision", str,
+           "the branch, tag or commit of a draft model given as a Hub name", default_help="main", metavar="REV"),
     Option("speculative_num_steps", "--speculative-num-steps", int,
            "draft tree depth; give it with --speculative-eagle-topk and --speculative-num-draft-tokens, "
            "or none of the three for an automatic tree", default_help="automatic", metavar="N"),

@@ -12,17 +12,23 @@ and nowhere else:
   key made of the file's absolute path, size and modification time and CONVERSION_FORMAT (a
   changed file is converted again, and its older conversion removed), with the demo's cache discipline
   (`demo.build_once`: staging folder, marker written last, one rename, a lock);
-- anything else: a Hugging Face checkpoint folder, as given.
+- a Hugging Face checkpoint folder, as given;
+- `Org/Name` that is not a path here (target or head): a Hugging Face Hub repository, fetched with
+  huggingface_hub's `snapshot_download` into its cache (HF_HUB_CACHE; the files augury reads: configs,
+  safetensors weights, tokenizer files) at `revision` / `draft_revision` (default: main), the
+  snapshot folder then used as a folder. With HF_HUB_OFFLINE set nothing is fetched: a repository
+  already in the cache is used, one that is not is a one-line error saying so.
 
 `check(config)` does the cheap part (the paths named exist, a head is there when eagle3 is
-asked for) without fetching or converting anything; `resolve` does it too, first.
-Torch-free unless a GGUF file has to be converted.
+asked for, an offline Hub name is in the cache) without fetching or converting anything;
+`resolve` does it too, first. Torch-free unless a GGUF file has to be converted.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -35,19 +41,83 @@ DEMO = "demo"
 GGUF_MAGIC = b"GGUF"
 GGUF_MARKER = ".augury-complete"
 CONVERSION_FORMAT = 3  # in the cache key; bump when the converter's output changes (2: Q4 blocks also kept as int4; 3: K-quants, Q8_0, Q5_* too)
-_HINT = "pass a Hugging Face checkpoint folder, a llama-architecture .gguf file, or 'demo'"
+_HINT = ("pass a Hugging Face checkpoint folder, a Hugging Face Hub name (Org/Name), a llama-architecture "
+         ".gguf file, or 'demo'")
+# Org/Name: a Hugging Face Hub repository id (huggingface_hub's own rules check it further)
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+# what a snapshot brings: configs, safetensors weights, tokenizer files and templates (no .bin, .gguf, ...)
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
 
 
 def check(config: EngineConfig) -> None:
     """Raise ValueError, naming the field, if a path does not exist or eagle3 has no head; fetches nothing."""
-    _target_path(config.model)
-    _draft_dir(config)
+    for name, value, revision in (("model", config.model, config.revision),
+                                  ("draft_model", config.draft_model, config.draft_revision)):
+        if is_hub_name(value):
+            if hub_offline():  # the cache alone answers: say now, before anything loads
+                hub_folder(value, revision, name)
+        elif revision is not None and value is not None:
+            field = "revision" if name == "model" else "draft_revision"
+            raise ValueError(f"{field} applies to a Hugging Face Hub name (Org/Name); {name} {value} is not one")
+    if not is_hub_name(config.model):
+        _target_path(config.model)
+    _draft_dir(config, fetch=False)
 
 
 def resolve(config: EngineConfig) -> ResolvedModel:
-    """The folders `config` names, fetching the demo or converting a GGUF file on first use."""
+    """The folders `config` names, fetching the demo or a Hub repository, or converting a GGUF file, on first use."""
     check(config)
-    return ResolvedModel(_target_dir(config.model), _draft_dir(config))
+    target = hub_folder(config.model, config.revision, "model") if is_hub_name(config.model) \
+        else _target_dir(config.model)
+    return ResolvedModel(target, _draft_dir(config))
+
+
+def is_hub_name(name: str | None) -> bool:
+    """Org/Name that names no path here: a Hugging Face Hub repository."""
+    return name is not None and HUB_NAME.fullmatch(name) is not None and not Path(name).expanduser().exists()
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it, read now (it reads it at import)."""
+    from huggingface_hub import constants
+
+    raw = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return constants.HF_HUB_OFFLINE or (raw or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_folder(repo: str, revision: str | None, name: str) -> Path:
+    """The snapshot folder of Hub repository `repo` at `revision`, fetched into huggingface_hub's cache
+    unless it is there (offline: only the cache). ValueError, one line naming the field, when it cannot be had."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hub
+
+    offline, at = hub_offline(), f" at revision {revision}" if revision else ""
+    try:
+        folder = snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=offline,
+                                   cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    except hub.GatedRepoError:
+        raise ValueError(f"{name} {repo} is gated on the Hugging Face Hub: accept its terms on huggingface.co and "
+                         "log in (hf auth login, or HF_TOKEN)") from None
+    except hub.RepositoryNotFoundError:
+        raise ValueError(f"{name} {repo} is neither a path here nor a Hugging Face Hub repository (a private one "
+                         f"needs HF_TOKEN); {_HINT}") from None
+    except hub.RevisionNotFoundError:
+        raise ValueError(f"{name} {repo} has no revision {revision!r} on the Hugging Face Hub") from None
+    except (hub.LocalEntryNotFoundError, hub.IncompleteSnapshotError):
+        if offline:
+            raise ValueError(f"{name} {repo}{at} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: fetch "
+                             f"it where the Hub is reachable (hf download {repo}), or unset HF_HUB_OFFLINE") from None
+        from huggingface_hub import constants
+
+        endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+        raise ValueError(f"{name} {repo}{at} is not in the Hugging Face cache and the Hub ({endpoint}) cannot be "
+                         "reached; check the network (or HF_TOKEN for a private repository)") from None
+    except hub.HFValidationError as e:
+        raise ValueError(f"{name} {repo} is not a valid Hugging Face Hub name: {e}") from None
+    except OSError as e:  # the Hub's HTTP errors, the network, the disk
+        raise ValueError(f"{name} {repo}{at}: fetching from the Hugging Face Hub failed: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    return Path(folder)
 
 
 def _target_path(model: str) -> Path | None:
@@ -73,7 +143,12 @@ def _target_dir(model: str) -> Path:
     return path
 
 
-def _draft_dir(config: EngineConfig) -> Path | None:
+def _draft_dir(config: EngineConfig, fetch: bool = True) -> Path | None:
+    """The head's folder; a Hub name is fetched (fetch), or stands for the folder it will be (not fetch)."""
+    if is_hub_name(config.draft_model):
+        if not fetch:
+            return Path(config.draft_model)
+        return hub_folder(config.draft_model, config.draft_revision, "draft_model")
     if config.draft_model is not None:
         path = Path(config.draft_model).expanduser()
         if not path.exists():
