@@ -218,3 +218,53 @@ def test_store_bounds_count_and_bytes() -> None:
     store.put({"id": "resp_6", "output": [{"text": "z" * 400}]}, [])
     assert store.get("resp_2") is not None and store.get("resp_3") is None  # get made resp_2 recent
     assert ResponseStore(0).put({"id": "resp_x", "output": []}, []) is False
+
+
+def test_on_the_wire(server: ServerProcess) -> None:
+    """The routes by hand: each SSE event is `event: NAME` then `data: {..., "type": NAME}`; GET and
+    DELETE a kept response."""
+    routes = {"POST /v1/responses": "/v1/responses", "GET /v1/responses/{id}": "/v1/responses/{id}",
+              "DELETE /v1/responses/{id}": "/v1/responses/{id}"}
+    url = server.base_url
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 4, "temperature": 0}
+    with httpx.stream("POST", url + routes["POST /v1/responses"], json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.read().decode().split("\n\n") if b.strip()]
+    pairs = [b.split("\n") for b in blocks]
+    assert all(len(p) == 2 and p[0].startswith("event: ") and p[1].startswith("data: ") for p in pairs), blocks
+    assert all(json.loads(data[6:])["type"] == name[7:] for name, data in pairs)
+    rid = json.loads(pairs[-1][1][6:])["response"]["id"]
+    got = httpx.get(url + routes["GET /v1/responses/{id}"].format(id=rid), timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == rid and got.json()["status"] in ("completed", "incomplete")
+    gone = httpx.request("DELETE", url + routes["DELETE /v1/responses/{id}"].format(id=rid), timeout=10)
+    assert gone.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+    missing = httpx.get(url + routes["GET /v1/responses/{id}"].format(id=rid), timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+
+
+ACCEPTED = {"metadata": {"k": "v"}, "user": "u1", "service_tier": "auto", "include": ["message.output_text.logprobs"],
+            "safety_identifier": "s1", "prompt_cache_key": "c1", "prompt_cache_retention": "in_memory",
+            "stream_options": {"include_obfuscation": False}}
+NEUTRAL = {"background": False, "truncation": "disabled", "conversation": None, "prompt": None,
+           "max_tool_calls": None, "top_logprobs": 0, "reasoning": None, "text": {"verbosity": "medium"}}
+
+
+def test_informational_fields_are_accepted_and_others_refused(server: ServerProcess) -> None:
+    def post(status: int, **fields) -> httpx.Response:
+        r = httpx.post(f"{server.base_url}/v1/responses", json={
+            "model": "tiny", "input": "hello", "max_output_tokens": 6, "temperature": 0, **fields}, timeout=60)
+        assert r.status_code == status, r.text
+        return r
+
+    plain = post(200).json()
+    informed = post(200, **ACCEPTED)
+    assert "X-Augury-Ignored-Fields" not in informed.headers
+    assert informed.json()["output"][0]["content"][0]["text"] == plain["output"][0]["content"][0]["text"]
+    assert informed.json()["metadata"] == {"k": "v"} and informed.json()["user"] == "u1"
+    assert post(200, **NEUTRAL).json()["output"][0]["content"] == plain["output"][0]["content"]
+    for name, value in [("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2),
+                        ("top_logprobs", 3), ("reasoning", {"effort": "high"}), ("background", True)]:
+        assert post(400, **{name: value}).json()["error"]["param"] == name
+    assert post(400, text={"verbosity": "low"}).json()["error"]["param"] == "text.verbosity"
+    unknown = post(200, frobnicate=1)
+    assert unknown.headers["X-Augury-Ignored-Fields"] == "frobnicate"

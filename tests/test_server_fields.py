@@ -462,9 +462,15 @@ COVERED = {  # every field and route of docs/api.md's table -> the test above th
     "--enable-log-requests": "test_enable_log_requests_logs_one_line_per_request",
     "--allowed-origins ORIGIN...": "test_cors", "--served-model-name NAME...": "test_served_model_names",
 }
-# fields of the table sent by another test file, where their effect needs a draft model
+# fields of the table sent by another test file: where their effect needs a draft model, another
+# server (--generation-config) or a route of its own (/v1/responses)
+RESPONSES = ["POST /v1/responses", "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "input", "instructions",
+             "max_output_tokens", "text.format", "previous_response_id", "store", "include", "safety_identifier",
+             "prompt_cache_key", "prompt_cache_retention", "stream_options", "background", "truncation",
+             "conversation", "prompt", "max_tool_calls", "top_logprobs", "reasoning", "text.verbosity"]
 ELSEWHERE = {"max_draft_tokens": "test_server_speculative.py", "AUGURY_API_KEY": "test_server_auth.py",
-             "return_token_sources": "test_playground.py"}
+             "return_token_sources": "test_playground.py", "--generation-config": "test_generation_config.py",
+             **{name: "test_responses.py" for name in RESPONSES if name not in COVERED}}
 
 
 def test_the_docs_table_is_what_these_tests_send() -> None:
