@@ -268,3 +268,38 @@ def test_informational_fields_are_accepted_and_others_refused(server: ServerProc
     assert post(400, text={"verbosity": "low"}).json()["error"]["param"] == "text.verbosity"
     unknown = post(200, frobnicate=1)
     assert unknown.headers["X-Augury-Ignored-Fields"] == "frobnicate"
+
+
+def test_output_items_are_the_same_however_the_text_is_cut() -> None:
+    """The builder on chat's parser: reasoning, then text, then a call become three items in order; a
+    stream cut anywhere builds the items the whole text does, and its events say the same."""
+    import random
+    from types import SimpleNamespace
+
+    from augury.server.responses import items_of
+    from augury.server.responses_items import OutputBuilder
+    from augury.server.chat_text import ChatTextStream
+
+    job = SimpleNamespace(reasoning="maybe", parse_tools=True, tool_names={"get_time": SCHEMA}, tool_format="hermes")
+    text = ('<think>it is late</think>Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'
+            '\n</tool_call>')
+    whole = items_of(job, text, "stop")
+    assert [i["type"] for i in whole] == ["reasoning", "message", "function_call"]
+    assert whole[0]["content"][0]["text"] == "it is late" and whole[1]["content"][0]["text"] == "Let me look."
+    assert (whole[2]["name"], json.loads(whole[2]["arguments"])) == ("get_time", {"zone": "UTC"})
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), 6))
+        parser, builder, events = ChatTextStream(job), OutputBuilder(), []
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            for delta in parser.feed(text[a:b]):
+                events += builder.feed(delta)
+        for delta in parser.finish():
+            events += builder.feed(delta)
+        events += builder.finish("completed")
+        strip = [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in builder.items]
+        assert strip == [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in whole]  # random ids
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == builder.items
+        assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "it is late"
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Let me look."
