@@ -296,7 +296,8 @@ class W8A8:
     def pack6(codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """GGUF Q6_K in six bits a code: codes [N, K] int8 q - 32 (-32..31), d [N, K / 256] float16, sub
         [N, K / 16] int8 (w = d sub (q - 32)), N a multiple of 16 -> (codes [P, G, 384] uint8: four
-        blocks of 64 nibbles, then two of 64 two-bit pairs (csrc/w8a8.h's columns6), d [P, G / 8, 16]
+        blocks of 64 six-bit codes with two more bits each, then two of 64 nibbles (csrc/w8a8.h's
+        columns6), d [P, G / 8, 16]
         float16, sub [P, G, 32] int8 as pack_codes()'s)."""
         n, k = codes.shape
         if k % (8 * GROUP) or n % PANEL:
@@ -304,10 +305,9 @@ class W8A8:
         g, p = k // GROUP, n // PANEL
         u = (codes.cpu().numpy().astype(np.int16) + 32).astype(np.uint8)
         u = u.reshape(p, PANEL, g, 8, 4).transpose(0, 2, 3, 1, 4)  # [panel, group, block, column, j]
-        lo, hi = u & 0x0F, u >> 4
-        nib = lo[:, :, :4] | (lo[:, :, 4:] << 4)  # block b's in the low nibble, b + 4's in the high
-        two = hi[:, :, 0:2] | (hi[:, :, 2:4] << 2) | (hi[:, :, 4:6] << 4) | (hi[:, :, 6:8] << 6)  # e: blocks e + 2 i
-        c = np.concatenate([nib.reshape(p, g, 256), two.reshape(p, g, 128)], axis=-1)
+        first = u[:, :, :4] | ((u[:, :, 4:] >> 4) << 6)  # block a's six bits, block a + 4's top two
+        nib = (u[:, :, 4:6] & 0x0F) | ((u[:, :, 6:8] & 0x0F) << 4)  # blocks 4 + e and 6 + e's low four
+        c = np.concatenate([first.reshape(p, g, 256), nib.reshape(p, g, 128)], axis=-1)
         dd = d.to(torch.float16).reshape(p, PANEL, g // 8).transpose(1, 2).contiguous()
         subs = sub.to(torch.int8).reshape(p, PANEL, g, 2).permute(0, 2, 3, 1).reshape(p, g, 2 * PANEL).contiguous()
         return torch.from_numpy(np.ascontiguousarray(c)), dd, subs
@@ -317,10 +317,9 @@ class W8A8:
         """pack6()'s inverse: (codes [N, K] int8 q - 32, d [N, K / 256] float16, sub [N, K / 16] int8)."""
         p, g, _ = codes.shape
         c = codes.numpy()
-        nib, two = c[..., :256].reshape(p, g, 4, PANEL, 4), c[..., 256:].reshape(p, g, 2, PANEL, 4)
-        lo = np.concatenate([nib & 0x0F, nib >> 4], axis=2)  # [p, g, 8 blocks, column, j]
-        hi = np.stack([(two >> (2 * i)) & 3 for i in range(4)], axis=2).reshape(p, g, 8, PANEL, 4)  # block 2 i + e
-        q = (lo | (hi << 4)).astype(np.int16) - 32
+        first, nib = c[..., :256].reshape(p, g, 4, PANEL, 4), c[..., 256:].reshape(p, g, 2, PANEL, 4)
+        late = ((first >> 6) << 4) | np.concatenate([nib & 0x0F, nib >> 4], axis=2)  # blocks 4..7
+        q = np.concatenate([first & 0x3F, late], axis=2).astype(np.int16) - 32  # [p, g, 8 blocks, column, j]
         q = torch.from_numpy(q.astype(np.int8)).permute(0, 3, 1, 2, 4).reshape(p * PANEL, g * GROUP)
         return (q, d.transpose(1, 2).reshape(p * PANEL, g // 8),
                 sub.view(p, g, 2, PANEL).permute(0, 3, 1, 2).reshape(p * PANEL, 2 * g))

@@ -85,7 +85,8 @@ template <int R>
 inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, int64_t G, int64_t Gp,
                    const int8_t *xq, const float *dx, const int32_t *xsum, int64_t K, float *out) {
     (void)xsum;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03), off = _mm512_set1_epi8(32);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low6 = _mm512_set1_epi8(0x3f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i off = _mm512_set1_epi8(32);
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -97,9 +98,15 @@ inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, in
             __m512i ih[R];
             for (int r = 0; r < R; r++) ih[r] = _mm512_setzero_si512();
             for (int b = 4 * half; b < 4 * half + 4; b++) {
-                const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(blk + 64 * (b & 3)), 4 * (b >> 2)), low4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(blk + 256 + 64 * (b & 1)), 2 * (b >> 1)), low2);
-                const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off);  // q - 32
+                __m512i q;  // 0..63 (columns6's layout)
+                if (b < 4) {
+                    q = _mm512_and_si512(_mm512_loadu_si512(blk + 64 * b), low6);
+                } else {
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(blk + 64 * (b - 4)), 2), top2);
+                    const __m512i nib = _mm512_loadu_si512(blk + 256 + 64 * (b & 1));
+                    q = _mm512_or_si512(hi, _mm512_and_si512(b < 6 ? nib : _mm512_srli_epi16(nib, 4), low4));
+                }
+                const __m512i w = _mm512_sub_epi8(q, off);  // q - 32
                 const __m512i aw = _mm512_abs_epi8(w);
                 const __mmask64 neg = _mm512_movepi8_mask(w);
                 for (int r = 0; r < R; r++) {
@@ -207,7 +214,8 @@ template <int R>
 inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, int64_t G, int64_t Gp,
                    const int8_t *xq, const float *dx, const int32_t *xsum, int64_t K, float *out) {
     (void)xsum;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i off = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
         __m256 acc[R];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -219,11 +227,16 @@ inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, in
                 __m256i ih[R];
                 for (int r = 0; r < R; r++) ih[r] = _mm256_setzero_si256();
                 for (int b = 4 * half; b < 4 * half + 4; b++) {
-                    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * (b & 3)));
-                    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 256 + 64 * (b & 1)));
-                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(n, 4 * (b >> 2)), low4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 2 * (b >> 1)), low2);
-                    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);  // q - 32
+                    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * (b & 3)));
+                    __m256i q;  // 0..63 (columns6's layout)
+                    if (b < 4) {
+                        q = _mm256_and_si256(a, low6);
+                    } else {
+                        const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 256 + 64 * (b & 1)));
+                        q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 2), top2),
+                                            _mm256_and_si256(b < 6 ? nib : _mm256_srli_epi16(nib, 4), low4));
+                    }
+                    const __m256i w = _mm256_sub_epi8(q, off);  // q - 32
                     const __m256i aw = _mm256_sign_epi8(w, w);  // |w| <= 32
                     for (int r = 0; r < R; r++) {
                         const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)), w);
@@ -300,9 +313,11 @@ inline void columns_as(const Rounded &a, int64_t M, const int8_t *codes, const f
 }
 
 // GGUF's Q6_K in its own six bits a code (6.5625 bits a weight instead of the general form's 9.5):
-// per panel and group 384 bytes: 4 blocks of 64 nibbles (byte 4 c + j of block b: the general form's
-// block b's code q + 32 in its low nibble, block b + 4's in its high one), then 2 blocks of 64 of
-// two-bit pairs (byte 4 c + j of block e: bits 2 i, 2 i + 1 the top two bits of block e + 2 i's);
+// per panel and group 384 bytes, u = q + 32 (0..63) by the general form's blocks b = 0..7 (byte 4 c + j
+// of a block: column c's code at k = 32 g + 4 b + j): 4 blocks of 64 bytes, byte 4 c + j of block a
+// holding u of block a in bits 0-5 and the top two bits of block a + 4's in bits 6-7, then 2 blocks of
+// 64 nibbles, block e's low nibbles the low four bits of block 4 + e's u, its high nibbles block 6 + e's.
+// (Blocks 0-3 cost one AND to rebuild, 4-7 a few more: AVX2 is compute-bound on this form.)
 // d [P, G / 8, 16] float16 (one per 256 and column), sub [P, G, 32] int8 as the general form's. Each
 // block's codes are rebuilt as q - 32 in registers and summed as the general form's sub-scaled ones
 // (|w| x (xq carrying w's sign), then sub_0 dot_0 + sub_1 dot_1, then fma(float(dot), d dx, acc)):
