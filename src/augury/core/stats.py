@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from augury.speculative.sources import SOURCE_NAMES
+from augury.core.sources import SOURCE_NAMES
 
 log = logging.getLogger("augury.engine")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from augury.engine.engine import NONFINITE
 from augury.outputs import MergedOutputs, RequestOutput
 from augury.sampling_params import OutputKind, SamplingParams
-from augury.speculative.sources import SOURCE_NAMES
+from augury.core.sources import SOURCE_NAMES
 
 log = logging.getLogger("augury.server")
 

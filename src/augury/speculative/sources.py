@@ -15,18 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 
+from augury.core.sources import SOURCE_NAMES, Source
 
-class Source(IntEnum):
-    """A draft node's source (the root's entry is unused)."""
-
-    HEAD = 0  # the EAGLE-3 head
-    LOOKUP = 1  # prompt lookup (n-gram)
-    FORCED = 2  # a grammar's forced tokens (jump-forward)
-
-
-SOURCE_NAMES = tuple(s.name.lower() for s in Source)  # ("head", "lookup", "forced"): usage and /metrics
+__all__ = ["SOURCE_NAMES", "Source", "Tally", "tally"]
 
 
 @dataclass
