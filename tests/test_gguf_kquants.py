@@ -142,6 +142,15 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
     cpu = torch.device("cpu")
     mix = [parts(QT.Q4_K, 32, 1), parts(QT.Q4_K, 16, 2), parts(QT.Q6_K, 16, 3)]
     m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
+    # each run of one kind on its own kernel: q|k (48 rows) Q4_K, v (16) Q6_K
+    assert isinstance(m, native.SegmentedLinear) and [type(p) for p in m.parts] == [native.W4KLinear,
+                                                                                    native.W6KLinear]
+    assert same_bits(m.dequantize(), np.concatenate([r for _, _, r in mix]))
+    x = (torch.randn(5, 256, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16)
+    assert torch.equal(m(x), torch.cat([kernel_out(p, x) for p in m.parts], 1).to(torch.bfloat16))
+    # where a run is not whole panels of 16 rows, the narrowest single kind holding every value
+    mix = [parts(QT.Q4_K, 24, 1), parts(QT.Q6_K, 8, 3)]
+    m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
     assert isinstance(m, native.W8GLinear) and m.sub is not None and m.zero is not None
     # equal values (Q6_K's -0.0 becomes 0.0 once a zero of 0 is added: the same number to the kernel)
     assert torch.equal(m.dequantize(), torch.from_numpy(np.concatenate([r for _, _, r in mix])))
@@ -149,7 +158,7 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
     m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
     assert isinstance(m, native.W4KLinear)
     assert same_bits(m.dequantize(), np.concatenate([r for _, _, r in mix]))
-    mix = [parts(QT.Q4_K, 32, 4), parts(QT.Q4_0, 16, 5)]
+    mix = [parts(QT.Q4_K, 24, 4), parts(QT.Q4_0, 8, 5)]
     m = native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu)
     assert isinstance(m, native.W4FLinear)
     assert torch.equal(m.dequantize(), torch.from_numpy(np.concatenate([r for _, _, r in mix])))
@@ -170,20 +179,19 @@ def test_k_quants_in_their_own_scales_give_the_float_forms_bits(qtype) -> None:
     p = {k: torch.from_numpy(v) for k, v in p.items()}
     k4 = native.build([kind], [p], None, torch.bfloat16, torch.device("cpu"))
     if qtype == QT.Q4_K:
-        other = ["int4", {"codes": torch.zeros(16, 768, dtype=torch.int32), "scale": torch.ones(16, 24),
-                          "zero": torch.zeros(16, 24)}]
+        q = native._as_q4f(kind, p)
+        wide = native.W4FLinear(q["codes"], q["scale"], q["zero"], None)
     else:
-        other = ["q8g", {"codes": torch.zeros(16, 768, dtype=torch.int8), "scale": torch.ones(16, 24)}]
-    wide = native.build([kind, other[0]], [p, other[1]], None, torch.bfloat16, torch.device("cpu"))
+        q = native._as_q8g(kind, p)
+        wide = native.W8GLinear(q["codes"], q["scale"], q.get("zero"), q.get("sub"), None)
     if qtype == QT.Q6_K:
         assert isinstance(k4, native.W6KLinear)
     else:
         assert isinstance(k4, native.W4KLinear) and (k4.high is None) == (qtype == QT.Q4_K)
-    assert isinstance(wide, native.W4FLinear if qtype == QT.Q4_K else native.W8GLinear)
     bits = sum(t.numel() * t.element_size() for t in k4.buffers()) * 8 / (64 * 768)
     assert bits == {QT.Q4_K: 4.625, QT.Q5_K: 5.625, QT.Q6_K: 6.5625}[qtype]
     x = (torch.randn(7, 768, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
-    assert torch.equal(kernel_out(k4, x), kernel_out(wide, x)[:, :64])
+    assert torch.equal(kernel_out(k4, x), kernel_out(wide, x))
 
 
 _LEVELS = [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)]
@@ -259,7 +267,9 @@ def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, 
         model, _ = load_target(kquant_folder, torch.bfloat16, torch.device("cpu"), 64, quantization="auto")
     assert not any("running dense" in r.getMessage() for r in caplog.records)
     l0, l1 = model.layers
-    assert isinstance(l0.self_attn.qkv_proj, native.W8GLinear) and l0.self_attn.qkv_proj.sub is not None  # Q4_K + Q6_K
+    qkv = l0.self_attn.qkv_proj  # q|k in Q4_K, v in Q6_K: each on its own kernel
+    assert isinstance(qkv, native.SegmentedLinear) and [type(p) for p in qkv.parts] == [native.W4KLinear,
+                                                                                        native.W6KLinear]
     assert isinstance(l1.self_attn.qkv_proj, native.W4KLinear) and l1.self_attn.qkv_proj.high is not None  # Q4_K + Q5_K
     assert isinstance(l0.mlp.gate_up_proj, native.W4KLinear) and isinstance(l0.self_attn.o_proj, native.W4KLinear)
     assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
@@ -287,6 +297,30 @@ def test_unsupported_types_run_dense_with_one_line(kquant_folder, tmp_path, capl
     lines = [r.getMessage() for r in caplog.records if "running dense" in r.getMessage()]
     assert len(lines) == 1 and "layers.1.mlp.down_proj (IQ4_XS)" in lines[0]
     assert not isinstance(model.layers[1].mlp.down_proj, (native.W8GLinear, native.W4FLinear))
+
+
+@needs_kernels
+def test_the_fused_stack_gives_the_layers_bits_on_the_mix(kquant_folder) -> None:
+    """Every kind in forward.cpp's table (segments included): tokens and log-probabilities equal the
+    layer-by-layer forward's exactly."""
+    from augury import LLM, SamplingParams
+    from augury.models import fused
+
+    llm = LLM(str(kquant_folder), dtype="bfloat16", quantization="auto", speculative_algorithm="none",
+              log_stats_interval=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (3 + 4 * i,), generator=g).tolist() for i in range(3)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in (9, 6, 11)]
+
+    def generate(layers: bool):
+        llm.engine.model._fused = False if layers else None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]) for o in outs]
+
+    want = generate(layers=True)
+    got = generate(layers=False)
+    assert isinstance(llm.engine.model._fused, fused.FusedStack)
+    assert got == want
 
 
 @needs_kernels

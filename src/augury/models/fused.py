@@ -111,7 +111,7 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _linear_fields(lin) -> list[int] | None:
+def linear_fields(lin) -> list[int] | None:
     """The kernel's six fields for one projection, (kind, codes, scale, zero, sub-scales, bias), from
     each kernel module's `fused_fields`: four of them, (codes, scale, zero, bias) of a w4a8 int4 linear
     in bfloat16 or (panels, 0, 0, bias) of a dense bfloat16 one on the bf16 kernel, or all six (the
@@ -185,7 +185,7 @@ class FusedStack:
             fields = [norms[0].data_ptr()]
             for i, lin in enumerate((layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                      layer.mlp.down_proj)):
-                f = _linear_fields(lin)
+                f = linear_fields(lin)
                 if f is None:
                     return None
                 if i in (1, 3) and after_sum[i // 2] is not None:

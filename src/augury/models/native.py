@@ -17,10 +17,11 @@ in one of these kinds (models/gguf_blocks.py decodes the blocks):
 
 One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
 keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
-exactly: all int4 -> Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear; int4 with q4k ->
-W4FLinear (float32 scale and zero per 32, 6 bits a weight: Q4_K's d sc and -dmin m exactly, Q4_0's
-zero -8d exactly, Q4_1's m + 8d as rounded once already); anything else W8GLinear (4-, 5- and 6-bit
-codes are int8 codes too, with their sub-scales and zeros). A part
+exactly: all int4 -> Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear. Parts of several
+kinds run as a SegmentedLinear, each run of one kind on its own kernel (whole panels of 16 rows each);
+where that cannot be, int4 with q4k -> W4FLinear (float32 scale and zero per 32, 6 bits a weight:
+Q4_K's d sc and -dmin m exactly, Q4_0's zero -8d exactly, Q4_1's m + 8d as rounded once already) and
+anything else W8GLinear (4-, 5- and 6-bit codes are int8 codes too, with their sub-scales and zeros). A part
 with no native kind (an IQ type, F16) keeps the whole linear dense, and the loader names every such
 linear and its types in one start-up line.
 """
@@ -30,14 +31,17 @@ import logging
 
 import torch
 
+from torch import nn
+
 from augury.cpu import kernels as cpu_kernels
+from augury.models.fused import KernelModule, linear_fields
 from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8OutputLinear, _QuantLinear
 
 log = logging.getLogger(__name__)
 
 KINDS = ("int4", "q4k", "q5k", "q6k", "q8g")
 # forward.cpp's projection kinds (its Kind enum)
-FUSED_W4F, FUSED_W8G, FUSED_W4K, FUSED_W6K = 2, 3, 4, 5
+FUSED_W4F, FUSED_W8G, FUSED_W4K, FUSED_W6K, FUSED_SEGMENTS = 2, 3, 4, 5, 6
 
 
 class W4FLinear(_QuantLinear):
@@ -233,6 +237,50 @@ class W8GLinear(_QuantLinear):
                 f"sub-scales={self.sub is not None})")
 
 
+class SegmentedLinear(KernelModule, nn.Module):
+    """One linear whose row blocks run on different kernels, each in its own format (a Q4_K_M layer's
+    q|k on W4KLinear, its v on W6KLinear): the outputs side by side, each rounded to bfloat16 by its
+    own kernel, then the bias; in the fused stack one SEGMENTS projection over the same rounded
+    activations (forward.cpp), the same bits."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.dtype = torch.bfloat16
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16).clone(), requires_grad=False)
+        # [count, then per segment n0, n, kind, C, S, Z, X]: refilled in place by fused_fields (assigning a
+        # tensor would mark every fused table stale, models/fused.py)
+        self.register_buffer("seg_table", torch.zeros(1 + 7 * len(parts), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        rows, n0 = [len(self.parts)], 0
+        for p in self.parts:
+            f = linear_fields(p)
+            if f is None or f[0] == 0 or f[5] != 0:  # dense parts, or a part with a bias of its own
+                return None
+            rows += [n0, p.out_features, *f[:5]]
+            n0 += p.out_features
+        if b is not None and not b.is_contiguous():
+            return None
+        self.seg_table.copy_(torch.tensor(rows, dtype=torch.int64))
+        return [FUSED_SEGMENTS, self.seg_table.data_ptr(), 0, 0, 0, 0 if b is None else b.data_ptr()]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 Part = dict[str, torch.Tensor]
 
 
@@ -284,6 +332,18 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
     n = sum(p["codes"].shape[0] for p in parts)
     if kind is None or n % INT4_N_MULTIPLE:
         return None
+    if kind in ("q4f", "q8g") and dtype == torch.bfloat16 and device.type == "cpu":
+        # parts of several kinds: each run of one kind on its own kernel, where every run has whole panels
+        runs: list[tuple[list[str], list[Part]]] = []
+        for k, p in zip(kinds, parts):
+            if runs and (k == runs[-1][0][-1] or plan([*runs[-1][0], k]) not in ("q4f", "q8g")):
+                runs[-1][0].append(k), runs[-1][1].append(p)
+            else:
+                runs.append(([k], [p]))
+        if len(runs) > 1 and all(sum(p["codes"].shape[0] for p in r[1]) % INT4_N_MULTIPLE == 0 for r in runs):
+            mods = [build(k, p, None, dtype, device) for k, p in runs]
+            if all(m is not None for m in mods):
+                return SegmentedLinear(mods, bias)
     if kind == "int4":
         cat = {k: torch.cat([p[k] for p in parts]) for k in ("codes", "scale", "zero")}
         return Int4Linear(cat["codes"], cat["scale"], cat["zero"], bias, dtype, device=device)

@@ -54,7 +54,10 @@ namespace {
 // Q4_K's own super-block scales (C, S: sc and m uint8, Z: d and dmin float16, X: Q5_K's fifth bits or 0;
 // w4a8.h).
 // Q6_K in six bits a code (C, S: d float16, X: sub-scales; w8a8.h's columns6).
-enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4, W6K = 5 };
+// A projection whose row blocks differ in kind (a Q4_K_M layer's q|k in Q4_K, v in Q6_K) is SEGMENTS:
+// C points to an int64 table [count, then per segment n0, n, kind, C, S, Z, X], each segment a quantised
+// kind over output columns n0 .. n0 + n - 1, all of them on the same rounded activations.
+enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4, W6K = 5, SEGMENTS = 6 };
 enum Part { P_KIND, P_C, P_S, P_Z, P_X, P_B, PART_FIELDS };
 enum Field {
     LN1,
@@ -127,40 +130,60 @@ struct Raw {
     }
 };
 
+// A store writing columns n + off: one segment of a projection into the whole projection's output.
+template <class Store>
+struct Shifted {
+    Store s;
+    int64_t off;
+    void operator()(int64_t m, int64_t n, float v) const { s(m, n + off, v); }
+    void row16(int64_t m, int64_t n0, const float *v) const { s.row16(m, n0 + off, v); }
+};
+
+// The quantised kinds on activations already rounded (a): q points to the kind's C, S, Z, X addresses.
+template <class Store>
+inline void quantised(int64_t kind, const int64_t *q, int64_t T, Rounded &a, int64_t N, Store store,
+                      augury::Barrier &bar) {
+    switch (kind) {
+        case W4A8:
+            columns(a, T, at<const uint8_t>(q, 0), at<const uint16_t>(q, 1), at<const uint16_t>(q, 2), N, store, bar);
+            break;
+        case W4F:
+            columns(a, T, at<const uint8_t>(q, 0), at<const float>(q, 1), at<const float>(q, 2), N, store, bar);
+            break;
+        case W4K:
+            columns(a, T, at<const uint8_t>(q, 0), at<const uint8_t>(q, 1), at<const uint16_t>(q, 2), N, store, bar,
+                    at<const uint8_t>(q, 3));
+            break;
+        case W6K:
+            augury::w8a8::columns6(a, T, at<const uint8_t>(q, 0), at<const uint16_t>(q, 1), at<const int8_t>(q, 3), N,
+                                   store, bar);
+            break;
+        default:  // W8G
+            augury::w8a8::columns(a, T, at<const int8_t>(q, 0), at<const float>(q, 1), at<const float>(q, 2),
+                                  at<const int8_t>(q, 3), N, store, bar);
+    }
+}
+
 // One projection of the rows x [T, K] (bfloat16) whose fields start at f (Part's order), on the kernel
-// its kind names. Worksharing loops: every thread of the region calls it.
+// its kind names (each segment's, for SEGMENTS). Worksharing loops: every thread of the region calls it.
 template <class Store>
 inline void project(const int64_t *p, int f, const uint16_t *x, int64_t T, Rounded &a, float *xf, int64_t N,
                     Store store, augury::Barrier &bar) {
-    switch (p[f + P_KIND]) {
-        case W4A8:
-            round_rows(x, true, T, a, bar);
-            columns(a, T, at<const uint8_t>(p, f + P_C), at<const uint16_t>(p, f + P_S), at<const uint16_t>(p, f + P_Z),
-                    N, store, bar);
-            break;
-        case W4F:
-            round_rows(x, true, T, a, bar);
-            columns(a, T, at<const uint8_t>(p, f + P_C), at<const float>(p, f + P_S), at<const float>(p, f + P_Z), N,
-                    store, bar);
-            break;
-        case W4K:
-            round_rows(x, true, T, a, bar);
-            columns(a, T, at<const uint8_t>(p, f + P_C), at<const uint8_t>(p, f + P_S), at<const uint16_t>(p, f + P_Z),
-                    N, store, bar, at<const uint8_t>(p, f + P_X));
-            break;
-        case W6K:
-            round_rows(x, true, T, a, bar);
-            augury::w8a8::columns6(a, T, at<const uint8_t>(p, f + P_C), at<const uint16_t>(p, f + P_S),
-                                   at<const int8_t>(p, f + P_X), N, store, bar);
-            break;
-        case W8G:
-            round_rows(x, true, T, a, bar);
-            augury::w8a8::columns(a, T, at<const int8_t>(p, f + P_C), at<const float>(p, f + P_S),
-                                  at<const float>(p, f + P_Z), at<const int8_t>(p, f + P_X), N, store, bar);
-            break;
-        default:
-            augury::bf16::widen_rows(x, true, T, a.K, xf, bar);
-            augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f + P_C), N, store, bar);
+    const int64_t kind = p[f + P_KIND];
+    if (kind == DENSE) {
+        augury::bf16::widen_rows(x, true, T, a.K, xf, bar);
+        augury::bf16::columns(xf, T, a.K, at<const uint16_t>(p, f + P_C), N, store, bar);
+        return;
+    }
+    round_rows(x, true, T, a, bar);
+    if (kind != SEGMENTS) {
+        quantised(kind, p + f + P_C, T, a, N, store, bar);
+        return;
+    }
+    const int64_t *table = at<const int64_t>(p, f + P_C);
+    for (int64_t i = 0; i < table[0]; i++) {
+        const int64_t *seg = table + 1 + 7 * i;
+        quantised(seg[2], seg + 3, T, a, seg[1], Shifted<Store>{store, seg[0]}, bar);
     }
 }
 
