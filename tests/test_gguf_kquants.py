@@ -10,7 +10,6 @@ equals plain greedy output.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import gguf
 import numpy as np
