@@ -161,3 +161,19 @@ def tokenized_checkpoints(root: Path) -> dict[str, Path]:
     target = make_target(root / "target", vocab=len(tok), layers=2)
     tok.save_pretrained(str(target))
     return {"target": target, "head": random_head(root / "head", vocab=len(tok), draft_vocab=len(tok), aux=(0, 1, 1))}
+
+
+def plain_llm(ckpts: dict[str, Path]):
+    """tokenized_checkpoints' target without speculation (float32: the reference)."""
+    from augury import LLM
+
+    return LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+
+
+def static_eagle3_llm(ckpts: dict[str, Path]):
+    """tokenized_checkpoints' target drafting with its head, always the same tree (3 steps, top-2, 6 nodes)."""
+    from augury import LLM
+
+    return LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+               speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
+               speculative_num_draft_tokens=6, log_stats_interval=0, max_num_seqs=8)

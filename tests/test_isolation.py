@@ -14,7 +14,7 @@ import torch
 from augury import LLM, SamplingParams
 from augury.sampling import NO_TOKEN, apply_sampling_filters, argmax_ids, draw_rows
 from augury.sampling_params import StructuredOutputsParams as SO
-from speculative_helpers import tokenized_checkpoints
+from speculative_helpers import plain_llm, static_eagle3_llm, tokenized_checkpoints
 
 
 def test_rows_without_a_valid_token_give_no_token():
@@ -36,11 +36,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _llm(ckpts, spec: bool) -> LLM:
-    if not spec:
-        return LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
-    return LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
-               speculative_policy="static", speculative_num_steps=3, speculative_eagle_topk=2,
-               speculative_num_draft_tokens=6, log_stats_interval=0, max_num_seqs=8)
+    return static_eagle3_llm(ckpts) if spec else plain_llm(ckpts)
 
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [30, 40, 41], [50, 60, 70, 80, 90]]

@@ -14,7 +14,7 @@ import torch
 
 from augury import LLM, SamplingParams
 from augury.sampling_params import StructuredOutputsParams as SO
-from speculative_helpers import tokenized_checkpoints
+from speculative_helpers import plain_llm, static_eagle3_llm, tokenized_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,12 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def plain(ckpts) -> LLM:
-    return LLM(str(ckpts["target"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    return plain_llm(ckpts)
 
 
 @pytest.fixture(scope="module")
 def spec(ckpts) -> LLM:
-    return LLM(str(ckpts["target"]), dtype="float32", draft_model=str(ckpts["head"]),
-               speculative_algorithm="eagle3", speculative_policy="static", speculative_num_steps=3,
-               speculative_eagle_topk=2, speculative_num_draft_tokens=6, log_stats_interval=0, max_num_seqs=8)
+    return static_eagle3_llm(ckpts)
 
 
 def _no_leak(llm: LLM) -> None:
