@@ -255,7 +255,10 @@ def test_a_client_that_stops_reading_is_cut_off(server: ServerProcess) -> None:
             assert time.monotonic() < deadline, m
             time.sleep(0.2)
         generated = m["augury:generation_tokens_total"] - before.get("augury:generation_tokens_total", 0)
-        assert generated < big["n"] * big["max_tokens"] / 2  # cut short, far from its end
+        # cut short of its end (how far short depends on the machine's speed in the second the buffers
+        # stay full: 2,900 and 7,704 of 15,200 tokens in two runs here, so half was a flaky bound); the
+        # abort counter above and the missing [DONE] below say it was cut, not finished
+        assert generated < big["n"] * big["max_tokens"]
         assert "read nothing for 1 s" in server.log
 
         # what the server had buffered still arrives, then the connection closes, without [DONE]
