@@ -267,3 +267,40 @@ def test_a_shutdown_timeout_that_is_no_duration_is_refused(value: str) -> None:
 
     with pytest.raises(ValueError, match="--shutdown-timeout must be a non-negative number of seconds"):
         settings_from_args(build_parser().parse_args(["--shutdown-timeout", value]))
+
+
+_STUCK = """
+import signal, sys, threading, time
+from types import SimpleNamespace
+from augury.server.drain import Drain
+
+class Loop:  # requests that never finish by themselves
+    in_flight = 3
+    def cut(self, reason):
+        print("cut at", round(time.monotonic() - t0, 2), flush=True)
+        return 3
+
+state = SimpleNamespace(loop=Loop(), draining=False)
+drain = Drain(state, timeout=float(sys.argv[1]))
+t0 = time.monotonic()
+print("signal at", time.time(), flush=True)
+drain.on_signal(signal.SIGTERM)
+while not drain.tick():
+    time.sleep(0.1)
+drain.arm_backstop()
+threading.Thread(target=time.sleep, args=(3600,)).start()  # a thread inside a step that does not end: exit waits for it
+"""
+
+
+@pytest.mark.parametrize("timeout", [3.0, 12.0])
+def test_the_process_is_gone_within_the_shutdown_timeout_though_a_thread_never_ends(timeout: float) -> None:
+    done = subprocess.run([sys.executable, "-c", _STUCK, str(timeout)], capture_output=True, text=True,
+                          timeout=timeout + 60, env=server_env())
+    took = time.time() - float(done.stdout.split("signal at ")[1].split()[0])
+    assert done.returncode == 0, done.stderr
+    cut_at = float(done.stdout.split("cut at ")[1])
+    # the cut leaves a share of the timeout (2 s at most) for the last events to go out, then the process ends
+    expected = timeout - min(2.0, 0.2 * timeout)
+    assert expected <= cut_at <= expected + 0.5, done.stdout
+    assert took < timeout + 1.0, f"exited {took:.1f} s after the signal, past its --shutdown-timeout of {timeout:g} s"
+    assert "--shutdown-timeout" in done.stderr and "exiting now" in done.stderr

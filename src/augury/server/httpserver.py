@@ -94,6 +94,10 @@ class AuguryServer(uvicorn.Server):
             return True
         if self.drain.tick():
             self.force_exit = self.drain.forced is not None  # uvicorn then waits for no connection
+            # closing connections and joining the engine fit in what is left of --shutdown-timeout
+            # (less 0.2 s for joining the engine thread after)
+            self.config.timeout_graceful_shutdown = max(0.1, self.drain.remaining() - 0.2)
+            self.drain.arm_backstop()
             return True
         return False
 
@@ -103,7 +107,8 @@ class AuguryServer(uvicorn.Server):
             await self.serve(sockets=[sock])
         finally:
             self.state.ready = False
-            self.state.loop.stop(1.0 if self.drain.forced is not None else 10.0)
+            self.state.loop.stop(1.0 if self.drain.forced is not None
+                                 else self.drain.remaining() if self.drain.signal is not None else 10.0)
             self.state.executor.shutdown(wait=False, cancel_futures=True)
             sock.close()
         if self.listen_failure is not None:
