@@ -512,12 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed of the random prompts and of the random model (default: {d.seed})")
-    p.add_argument("--workload", default="throughput", choices=["throughput", "document", "multi-turn", "stress"],
+    p.add_argument("--workload", default="throughput",
+                   choices=["throughput", "document", "multi-turn", "stress", "scale"],
                    help="throughput: the systems' decoding speed (the default); document: one long document "
                    "with a new question per request, and multi-turn: a chat growing turn by turn, each timing the "
                    "first token with and without prefix caching (see augury/bench/prefix.py); stress: load and "
                    "faults against a real `augury serve` over HTTP, with flags of its own (see "
-                   "`augury bench --workload stress --help`, augury/bench/stress.py)")
+                   "`augury bench --workload stress --help`, augury/bench/stress.py); scale: augury and llama.cpp "
+                   "on random-weight GGUFs of Llama 1B/3B/8B shapes, with flags of its own (`augury bench "
+                   "--workload scale --help`, augury/bench/scale.py)")
     p.add_argument("--doc-tokens", type=int, default=1500, help="--workload document: the document's length in tokens")
     p.add_argument("--questions", type=int, default=6,
                    help="--workload document: questions asked after the first request")
@@ -545,12 +548,12 @@ def _prefix_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stress_argv(argv: list[str]) -> list[str] | None:
-    """argv without its `--workload stress` when it asks for that workload, else None."""
+def _stress_argv(argv: list[str], workload: str = "stress") -> list[str] | None:
+    """argv without its `--workload stress` (or `workload`) when it asks for that workload, else None."""
     for i, a in enumerate(argv):
-        if a == "--workload=stress":
+        if a == f"--workload={workload}":
             return argv[:i] + argv[i + 1:]
-        if a == "--workload" and argv[i + 1:i + 2] == ["stress"]:
+        if a == "--workload" and argv[i + 1:i + 2] == [workload]:
             return argv[:i] + argv[i + 2:]
     return None
 
@@ -563,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         from augury.bench.stress import main as stress_main  # a server benchmark, with flags of its own
 
         return stress_main(rest)
+    rest = _stress_argv(argv, "scale")
+    if rest is not None:
+        from augury.bench.scale import main as scale_main  # random GGUFs of real shapes, with flags of its own
+
+        return scale_main(rest)
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:

@@ -32,12 +32,20 @@ ROWS = (1, 2, 4, 8, 16)
 
 
 def _worker(context: int, rows: tuple[int, ...], repeats: int, inner: int, warmup: int) -> dict:
+    from augury import LLM
+
+    return time_rows(LLM("demo", speculative_algorithm="none", log_stats_interval=0), context, rows, repeats, inner,
+                     warmup)
+
+
+def time_rows(llm, context: int, rows: tuple[int, ...], repeats: int, inner: int, warmup: int) -> dict:
+    """The table's figures for one loaded LLM (its KV cache must hold context + max(rows) tokens): decode
+    step milliseconds and, per row count, the paired median of (R rows) / (1 row)."""
     import torch
 
-    from augury import LLM, cpu
+    from augury import cpu
     from augury.cpu import threads as cpu_threads
 
-    llm = LLM("demo", speculative_algorithm="none", log_stats_interval=0)
     engine = llm.engine
     model, attention, bs = engine.model, engine.attention, engine.allocator.block_size
     need = -(-(context + max(rows)) // bs)
