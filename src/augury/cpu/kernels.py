@@ -28,6 +28,10 @@ forward (csrc/forward.cpp): the whole layer stack of a bfloat16 int4 target in o
 from the same row functions (the kernels' *.h), bit for bit what the layer-by-layer path computes;
 models/fused.py decides when it runs.
 
+head (csrc/head.cpp): an EAGLE-3 head's forward for one draft level's (or catch-up chunk's) rows in
+one call, its linears on the same row functions in their own formats, then the draft vocabulary's top
+k with their log-softmax values; models/eagle3_fused.py builds its arguments.
+
 The kernels' threads are OpenMP threads of the libgomp torch already loaded (one runtime in the
 process), as many as torch.get_num_threads() or, once the fused stack has timed its steps,
 as many as cpu/threads.py found fastest on this machine now (`threads.current()`).
@@ -54,7 +58,7 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 PANEL = 16  # w4a8 and w8a8 pack their weights in panels of this many columns
-NAMES = ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward")
+NAMES = ("w4a8", "w8a8", "bf16", "attention", "elementwise", "forward", "head")
 
 _cache: dict[str, object] = {}
 _warned: set[str] = set()  # reasons already warned about: one warning each, not one per kernel
@@ -596,6 +600,18 @@ class Forward:
                           _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I32], _I32)
 
 
+class HeadKernel:
+    """The loaded EAGLE-3 head kernel (csrc/head.cpp); models/eagle3_fused.py builds its arguments."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self.nfields = _bind(self._lib, "augury_head_nfields", [], _I32)()
+        self.run = _bind(self._lib, "augury_head_forward",
+                         [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P, _P, _P, _I64, _P, _P,
+                          _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I32], _I32)
+
+
 def _rounding_self_check(k: W4A8 | W8A8) -> None:
     """Identity weights give back the rounded activations (w4a8 and w8a8 round alike): catches a
     miscompiled or foreign library."""
@@ -653,6 +669,20 @@ def _forward_self_check(k: Forward) -> None:
     rc = k.run(h.data_ptr(), 1, 32, 1, 1, 32, 32, 0, 0.0, none.data_ptr(), None, None, 32, none.data_ptr(),
                none.data_ptr(), one.data_ptr(), 1, None, None, None, 0, None, None, 0, w.data_ptr(), out.data_ptr(), 1)
     if rc or not torch.allclose(out.float(), h / (12.5 ** 0.5) * 2.0, rtol=1e-2):
+        raise KernelUnavailable(f"self-check failed ({k.path})")
+
+
+def _head_self_check(k: HeadKernel) -> None:
+    """Its table's width, and its shape checks: no rows is fine, a head width outside whole groups is not."""
+    none = torch.zeros(1, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int32)
+
+    def call(h: int) -> int:
+        return k.run(none.data_ptr(), 0, h, 0, 1, 1, 32, 32, 0.0, None, None, none.data_ptr(), None, 1, None, None,
+                     1, none.data_ptr(), none.data_ptr(), one.data_ptr(), 1, None, None, none.data_ptr(), 0, 16, 16, 1,
+                     None, None, 1)
+
+    if k.nfields != 40 or call(32) != 0 or call(33) != 1:
         raise KernelUnavailable(f"self-check failed ({k.path})")
 
 
@@ -766,11 +796,16 @@ def forward() -> Forward | None:
     return _load("forward", Forward, _forward_self_check)  # type: ignore[return-value]
 
 
+def head() -> HeadKernel | None:
+    """The EAGLE-3 head kernel, built and loaded on first use; None where it cannot run."""
+    return _load("head", HeadKernel, _head_self_check)  # type: ignore[return-value]
+
+
 def load_all() -> dict[str, bool]:
     """Build (or find in the cache) and load every kernel now, as the engine's "CPU kernels" start-up
     stage does, rather than at first use; name -> whether it runs here (each that cannot warned once)."""
     loaders = {"w4a8": w4a8, "w8a8": w8a8, "bf16": bf16, "attention": attention, "elementwise": elementwise,
-               "forward": forward}
+               "forward": forward, "head": head}
     return {name: loaders[name]() is not None for name in NAMES}
 
 

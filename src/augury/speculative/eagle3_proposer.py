@@ -2,17 +2,24 @@
 
 Draft position p pairs the target's hidden state h_p with token p+1. The head's KV cache
 shares the target's block tables, prefix-cache hits included (see Eagle3Proposer.head_table);
-tree expansion never writes it (tree keys live in scratch tensors), so rejected branches cannot
-leave anything behind.
+tree expansion never writes the requests' blocks (tree keys live in scratch tensors, or, on the
+head kernel, in a scratch region after the head's blocks), so rejected branches cannot leave
+anything behind.
+
+Two paths compute the same drafts up to rounding: the head kernel (models/eagle3_fused.py: one call
+per draft level for the whole batch, and one per catch-up chunk with every request's pending rows
+in it, unpadded), where it runs; the torch head otherwise (AUGURY_CPU_KERNELS=0: the reference).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from augury.attention import masked_metadata, padded_positions
 from augury.core.kv_cache import KVCache, slot_of
 from augury.core.request import Request
 from augury.models.config import TargetConfig
+from augury.models.eagle3_fused import FusedHead
 from augury.models.eagle3_head import Eagle3Head, default_aux_layers
 from augury.speculative.interface import TargetHost
 from augury.speculative.ngram import lookup
@@ -21,6 +28,8 @@ from augury.speculative.suffix import SuffixDrafter
 from augury.speculative.tree import DraftTree, graft_chains, graft_trees, select_tree
 
 EXTEND_CHUNK = 256  # catch-up tokens per request per draft forward (bounds mask memory)
+CATCH_UP_ROWS = 256  # head kernel: catch-up rows per call, all requests' together (bounds the slot lists)
+SCRATCH_SLOTS = 1024  # head kernel: draft-tree keys the scratch region holds before it first grows
 
 
 class Eagle3Proposer:
@@ -42,7 +51,9 @@ class Eagle3Proposer:
         self.device = head.device
         # the head's own one-layer cache, addressed through the target's block tables, plus one block
         # of zeros that stands for the blocks a request took from the prefix cache (see head_table)
-        self.cache = KVCache(1, num_blocks + 1, block_size, head.nkv, head.hd, self.dtype, self.device)
+        self.fused = FusedHead.build(head)  # None: the torch head drafts
+        scratch = -(-SCRATCH_SLOTS // block_size) if self.fused is not None else 0
+        self.cache = KVCache(1, num_blocks + 1 + scratch, block_size, head.nkv, head.hd, self.dtype, self.device)
         self.zero_block = num_blocks
         self.block_size = block_size
         # block -> (prefix-cache key of the full block whose head KV it holds, complete, and the token
@@ -84,10 +95,10 @@ class Eagle3Proposer:
         r.draft_blocks_offered = full
 
     # ------------------------------------------------------------------ catch-up
-    def catch_up(self, host: TargetHost, reqs: list[Request]) -> torch.Tensor:
-        """Feed every pending (h_p, token_{p+1}) pair; returns the head output at each
-        request's last committed position [B, H] (the parent state of depth-1 drafts)."""
-        head, cache, bs = self.head, self.cache, host.block_size
+    def _take(self, host: TargetHost, reqs: list[Request]) -> list[torch.Tensor]:
+        """Every request's pending target features [n, A] (positions draft_len .. num_computed - 1, past
+        the positions the window dropped, which read as zeros from here on)."""
+        cache, bs = self.cache, host.block_size
         feats, skipped = [], []
         for r in reqs:
             self._withdraw(r, r.num_computed)
@@ -104,6 +115,13 @@ class Eagle3Proposer:
             idx = torch.tensor(skipped, device=self.device)
             cache.k[0].index_fill_(0, idx, 0.0)
             cache.v[0].index_fill_(0, idx, 0.0)
+        return feats
+
+    def catch_up(self, host: TargetHost, reqs: list[Request]) -> torch.Tensor:
+        """Feed every pending (h_p, token_{p+1}) pair; returns the head output at each
+        request's last committed position [B, H] (the parent state of depth-1 drafts)."""
+        head, bs = self.head, host.block_size
+        feats = self._take(host, reqs)
         last = torch.empty(len(reqs), head.cfg.hidden_size, dtype=self.dtype, device=self.device)
         done = [0] * len(reqs)
         while True:
@@ -132,6 +150,65 @@ class Eagle3Proposer:
                 reqs[i].draft_len += q_lens[j]
                 last[i] = out[j, q_lens[j] - 1]
 
+    def _slots(self, r: Request, n: int) -> np.ndarray:
+        """The head's cache slots of r's positions 0 .. n - 1 (head_table's)."""
+        table, bs = np.asarray(self.head_table(r), dtype=np.int64), self.block_size
+        pos = np.arange(n)
+        return table[pos // bs] * bs + pos % bs
+
+    def catch_up_fused(self, host: TargetHost, reqs: list[Request], k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """catch_up on the head kernel: every request's pending rows, unpadded, in calls of up to
+        CATCH_UP_ROWS rows together; the draft vocabulary's top k at each request's last position
+        in the same call. Returns (the head output there [B, H] float32, top ids [B, k], their
+        log-probabilities [B, k])."""
+        fused, cache = self.fused, self.cache
+        feats = self._take(host, reqs)
+        b = len(reqs)
+        last = torch.empty(b, self.head.cfg.hidden_size, dtype=torch.float32)
+        top_id = torch.empty(b, k, dtype=torch.int64)
+        top_lp = torch.empty(b, k, dtype=torch.float32)
+        todo = [(i, j0, min(j0 + CATCH_UP_ROWS, f.shape[0])) for i, f in enumerate(feats)
+                for j0 in range(0, f.shape[0], CATCH_UP_ROWS)]
+        while todo:
+            call, rows = [], 0  # pieces (request, first row, end) of this call
+            while todo and rows < CATCH_UP_ROWS:
+                i, j0, j1 = todo.pop(0)
+                take = min(j1 - j0, CATCH_UP_ROWS - rows)
+                if take < j1 - j0:
+                    todo.insert(0, (i, j0 + take, j1))
+                call.append((i, j0, j0 + take))
+                rows += take
+            width = max(reqs[i].draft_len + (j1 - j0) for i, j0, j1 in call)
+            slots = np.zeros((rows, width), dtype=np.int64)
+            tokens, positions, mapping, nkeys, aux, logit_rows, owners = [], [], [], [], [], [], []
+            t = 0
+            for i, j0, j1 in call:
+                r, n = reqs[i], j1 - j0
+                pos = np.arange(r.draft_len, r.draft_len + n)
+                sl = self._slots(r, r.draft_len + n)
+                slots[t : t + n, : len(sl)] = sl
+                tokens.append(np.asarray(r.all_token_ids[r.draft_len + 1 : r.draft_len + 1 + n], dtype=np.int64))
+                positions.append(pos)
+                mapping.append(sl[pos])
+                nkeys.append(pos + 1)
+                aux.append(feats[i][j0:j1])
+                if j1 == feats[i].shape[0]:
+                    logit_rows.append(t + n - 1)
+                    owners.append(i)
+                r.draft_len += n
+                t += n
+            out, ids, lp = fused.run(cache.k[0], cache.v[0], np.concatenate(tokens), np.concatenate(positions),
+                                     np.concatenate(mapping), slots, np.concatenate(nkeys), np.asarray(logit_rows), k,
+                                     aux=torch.cat(aux))
+            if owners:
+                idx = torch.tensor(owners)
+                last[idx] = out[torch.tensor(logit_rows)]
+                top_id[idx], top_lp[idx] = ids, lp
+        for r in reqs:
+            self.offer(r)
+        return last, top_id, top_lp
+
     def _forward(self, toks, h, pos, batch):
         """Head forward that caches the new keys/values at the batch's slots."""
         cache = self.cache
@@ -144,46 +221,40 @@ class Eagle3Proposer:
         cache.v[0].index_copy_(0, batch.slot_mapping, v.reshape(b * q, self.head.nkv, self.head.hd))
         return out, k, v
 
+    def scratch(self, n: int) -> int:
+        """The first of n slots after the head's blocks for draft-tree keys (the region grows when short)."""
+        bs, base = self.block_size, (self.zero_block + 1) * self.block_size
+        if self.cache.k.shape[1] - base < n:
+            old = self.cache
+            self.cache = KVCache(1, self.zero_block + 1 + -(-n // bs), bs, self.head.nkv, self.head.hd, self.dtype,
+                                 self.device)
+            self.cache.k[:, :base] = old.k[:, :base]
+            self.cache.v[:, :base] = old.v[:, :base]
+        return base
+
     # ------------------------------------------------------------------- drafting
     def propose(self, host: TargetHost, reqs: list[Request], shape: TreeShape) -> DraftTree:
         head, dev = self.head, self.device
         b, k, steps = len(reqs), shape.topk, shape.num_steps
-        parent_h = self.catch_up(host, reqs)  # [B, H]
-        nc = torch.tensor([r.num_computed for r in reqs], device=dev)
+        if self.fused is not None:
+            parent_h, top_id, top_lp = self.catch_up_fused(host, reqs, k)
+        else:
+            parent_h = self.catch_up(host, reqs)  # [B, H]
+            logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
+            top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
+        nc = [r.num_computed for r in reqs]
         roots = torch.tensor([r.last_token_id for r in reqs])
-
-        logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
-        top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
         cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1, device=dev)], [top_lp]
         frontier_tok, frontier_score = cand_tok[0], top_lp  # [B, k]
         frontier_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
+        parent_slot = None  # which node of the previous frontier each frontier node grew from (None: the root)
         if steps > 1:
-            # context keys of the head's cache (positions < nc), read once for all steps
-            ctxb = masked_metadata([self.head_table(r) for r in reqs], nc.tolist(), [0] * b, 1, host.block_size, dev)
-            c = ctxb.kv_index.shape[1] - 1
-            ctx_k, ctx_v = _gather(self.cache, ctxb.kv_index[:, :c])  # [B, C, nkv, hd]
-            ctx_ok = torch.arange(c, device=dev)[None, :] < nc[:, None]  # [B, C]
-            fed = k * (steps - 1)
-            anc = torch.zeros(b, fed, fed, dtype=torch.bool, device=dev)  # ancestor-or-self among fed nodes
-            fed_k, fed_v = [], []
-            frontier_fed_parent = None  # fed index of each frontier node's parent (None: the root)
+            levels = (_KernelLevels(self, reqs, nc, k, steps) if self.fused is not None
+                      else _TorchLevels(self, reqs, nc, k, steps, host.block_size))
         n_cand = k
         for s in range(1, steps):
-            lo = (s - 1) * k  # fed indices of this frontier: lo .. lo+k-1
-            rows = torch.arange(b, device=dev)[:, None]
-            if frontier_fed_parent is not None:
-                anc[:, lo : lo + k] = anc[rows, frontier_fed_parent]
-            anc[:, lo : lo + k, lo : lo + k] |= torch.eye(k, dtype=torch.bool, device=dev)
-            pos = (nc - 1 + s)[:, None].expand(b, k)
-            mask = torch.cat([ctx_ok[:, None, :].expand(b, k, c), anc[:, lo : lo + k, : lo + k]], dim=-1)[:, None]
-            kk = torch.cat([ctx_k] + fed_k, dim=1)
-            vv = torch.cat([ctx_v] + fed_v, dim=1)
-            out, k_new, v_new = head(frontier_tok, frontier_h, pos, (kk, vv), mask, False)
-            fed_k.append(k_new)
-            fed_v.append(v_new)
-            lp = torch.log_softmax(head.logits(out), dim=-1)  # [B, k, Vd]
-            c_lp, c_id = lp.topk(k, dim=-1)  # [B, k, k]
+            out, c_lp, c_id = levels.step(s, frontier_tok, frontier_h, parent_slot)  # [B, k, H], [B, k, k] twice
             scores = (frontier_score[:, :, None] + c_lp).reshape(b, k * k)
             toks = head.to_target_ids(c_id).reshape(b, k * k)
             par = frontier_cand[:, :, None].expand(b, k, k).reshape(b, k * k)
@@ -197,7 +268,6 @@ class Eagle3Proposer:
             frontier_score = best_score
             frontier_cand = n_cand + best
             frontier_h = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]))
-            frontier_fed_parent = lo + parent_slot
             n_cand += k * k
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
                            torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
@@ -207,6 +277,75 @@ class Eagle3Proposer:
         elif self.ngram_branch:
             tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
         return tree
+
+
+class _TorchLevels:
+    """Draft levels 1 .. steps - 1 on the torch head: the context keys read once, the tree's own keys
+    kept in tensors, a mask of ancestors-or-self among the fed nodes."""
+
+    def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int,
+                 block_size: int) -> None:
+        dev, b = prop.device, len(reqs)
+        self.head, self.k, self.b = prop.head, k, b
+        self.nc = torch.tensor(nc, device=dev)
+        # context keys of the head's cache (positions < nc), read once for all steps
+        ctxb = masked_metadata([prop.head_table(r) for r in reqs], nc, [0] * b, 1, block_size, dev)
+        self.c = c = ctxb.kv_index.shape[1] - 1
+        self.ctx_k, self.ctx_v = _gather(prop.cache, ctxb.kv_index[:, :c])  # [B, C, nkv, hd]
+        self.ctx_ok = torch.arange(c, device=dev)[None, :] < self.nc[:, None]  # [B, C]
+        fed = k * (steps - 1)
+        self.anc = torch.zeros(b, fed, fed, dtype=torch.bool, device=dev)  # ancestor-or-self among fed nodes
+        self.fed_k: list[torch.Tensor] = []
+        self.fed_v: list[torch.Tensor] = []
+
+    def step(self, s: int, tok: torch.Tensor, h: torch.Tensor, parent_slot: torch.Tensor | None):
+        b, k, c, anc, dev = self.b, self.k, self.c, self.anc, self.nc.device
+        lo = (s - 1) * k  # fed indices of this frontier: lo .. lo+k-1
+        if parent_slot is not None:
+            anc[:, lo : lo + k] = anc[torch.arange(b, device=dev)[:, None], lo - k + parent_slot]
+        anc[:, lo : lo + k, lo : lo + k] |= torch.eye(k, dtype=torch.bool, device=dev)
+        pos = (self.nc - 1 + s)[:, None].expand(b, k)
+        mask = torch.cat([self.ctx_ok[:, None, :].expand(b, k, c), anc[:, lo : lo + k, : lo + k]], dim=-1)[:, None]
+        kk = torch.cat([self.ctx_k] + self.fed_k, dim=1)
+        vv = torch.cat([self.ctx_v] + self.fed_v, dim=1)
+        out, k_new, v_new = self.head(tok, h, pos, (kk, vv), mask, False)
+        self.fed_k.append(k_new)
+        self.fed_v.append(v_new)
+        lp = torch.log_softmax(self.head.logits(out), dim=-1)  # [B, k, Vd]
+        c_lp, c_id = lp.topk(k, dim=-1)  # [B, k, k]
+        return out, c_lp, c_id
+
+
+class _KernelLevels:
+    """Draft levels 1 .. steps - 1 on the head kernel, one call each for the whole batch: node (b, i) of
+    level s keeps its key at a scratch slot of its own and attends to its request's context slots,
+    then its ancestors' slots and its own (the path from the root)."""
+
+    def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int) -> None:
+        b, fed = len(reqs), k * (steps - 1)
+        self.fused, self.k, self.b, self.fed = prop.fused, k, b, fed
+        self.base = prop.scratch(b * fed)
+        self.cache = prop.cache
+        self.nc = np.asarray(nc, dtype=np.int64)
+        self.ctx = [prop._slots(r, n) for r, n in zip(reqs, nc)]
+        self.path = np.zeros((b, k, 0), dtype=np.int64)  # each frontier node's fed slots, root side first
+
+    def step(self, s: int, tok: torch.Tensor, h: torch.Tensor, parent_slot: torch.Tensor | None):
+        b, k, nc = self.b, self.k, self.nc
+        own = self.base + np.arange(b)[:, None] * self.fed + (s - 1) * k + np.arange(k)[None, :]  # [B, k]
+        path = self.path
+        if parent_slot is not None:
+            path = np.take_along_axis(path, parent_slot.numpy()[:, :, None], axis=1)
+        self.path = path = np.concatenate([path, own[:, :, None]], axis=2)  # [B, k, s]
+        slots = np.zeros((b, k, int(nc.max()) + s), dtype=np.int64)
+        for i in range(b):
+            slots[i, :, : nc[i]] = self.ctx[i]
+            slots[i, :, nc[i] : nc[i] + s] = path[i]
+        rows = b * k
+        out, ids, lp = self.fused.run(self.cache.k[0], self.cache.v[0], tok.reshape(rows).numpy(),
+                                      np.repeat(nc - 1 + s, k), own.reshape(rows), slots.reshape(rows, -1),
+                                      np.repeat(nc + s, k), np.arange(rows), k, h=h.reshape(rows, -1))
+        return out.view(b, k, -1), lp.view(b, k, k), ids.view(b, k, k)
 
 
 def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,182 @@
+"""The EAGLE-3 head on augury's head kernel (models/eagle3_fused.py, cpu/csrc/head.cpp): against the
+torch head it stands in for, its top k against a log-softmax written out, the same bits at every ISA
+level, thread count and batch, and greedy speculative output equal to plain greedy output with it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from augury import LLM, SamplingParams
+from augury.cpu import build, isa
+from augury.cpu import kernels as cpu_kernels
+from augury.models.eagle3_fused import FusedHead
+
+from speculative_helpers import make_target, random_head
+
+pytestmark = pytest.mark.skipif(isa.why_unsupported() is not None or build.compiler() is None,
+                                reason="augury's CPU kernels do not run here")
+
+DRAFT_VOCAB = 256  # whole panels of 16: the head's lm_head goes on w4a8 too
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head-kernel")
+    return make_target(root / "target"), random_head(root / "head", draft_vocab=DRAFT_VOCAB)
+
+
+def _llm(ckpts, **kw) -> LLM:
+    target, head = ckpts
+    return LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
+               dtype="bfloat16", quantization="int4", log_stats_interval=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def head(ckpts):
+    return _llm(ckpts).engine.speculator.proposer.head
+
+
+def _rows(t: int, seed: int = 0):
+    """A catch-up of t rows of one request: aux features, tokens, a fresh cache, causal slot lists."""
+    g = torch.Generator().manual_seed(seed)
+    aux = (torch.randn(t, 192, generator=g) * 2).to(torch.bfloat16)
+    tokens = torch.randint(0, 256, (t,), generator=g)
+    slots = np.tile(np.arange(t, dtype=np.int64), (t, 1))
+    return aux, tokens, slots, np.arange(1, t + 1)
+
+
+def _cache(head, slots: int = 64):
+    return (torch.zeros(slots, head.nkv, head.hd, dtype=torch.bfloat16),
+            torch.zeros(slots, head.nkv, head.hd, dtype=torch.bfloat16))
+
+
+def test_the_kernel_computes_what_the_torch_head_computes(head) -> None:
+    """A causal block of 9 rows from target features: the pre-norm outputs, the keys and values cached
+    and the top 4 drafts with their log-probabilities, against Eagle3Head.forward / logits / log_softmax
+    (bfloat16 residual stream and logits there, float32 here: close, not equal)."""
+    fused = FusedHead.build(head)
+    assert fused is not None
+    t = 9
+    aux, tokens, slots, nkeys = _rows(t)
+    kc, vc = _cache(head)
+    with torch.inference_mode():
+        out, ids, lp = fused.run(kc, vc, tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), 4,
+                                 aux=aux)
+        ref, k, v = head(tokens[None], head.fc(aux[None]), torch.arange(t)[None], None, None, True)
+        ref_lp, ref_ids = torch.log_softmax(head.logits(ref), -1)[0].topk(4, -1)
+    ref = ref[0].float()
+    assert ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.02
+    assert ((kc[:t].float() - k[0].float()).norm() / k.float().norm()) < 0.02
+    assert ((vc[:t].float() - v[0].float()).norm() / v.float().norm()) < 0.02
+    assert (ids[:, 0] == ref_ids[:, 0]).float().mean() >= 0.8
+    assert (lp[:, 0] - ref_lp[:, 0]).abs().max() < 0.1
+
+
+def test_top_k_is_the_log_softmax_of_the_kernels_own_logits(head) -> None:
+    """The k best ids and log-probabilities the kernel gives equal float64 log_softmax + topk over the
+    logits its own row functions give (final norm of the returned h, then lm_head in float32)."""
+    fused = FusedHead.build(head)
+    t, k = 6, 8
+    aux, tokens, slots, nkeys = _rows(t, seed=3)
+    kc, vc = _cache(head)
+    out, ids, lp = fused.run(kc, vc, tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k, aux=aux)
+    el, w4 = cpu_kernels.elementwise(), cpu_kernels.w4a8()
+    x = el.rms_norm(out, head.norm.weight, head.norm.eps)  # bfloat16, as the kernel rounds it
+    lm = head.lm_head
+    logits = w4.linear(x, lm.w4a8_codes, lm.w4a8_scale, lm.w4a8_zero, out_dtype=torch.float32).double()
+    want_lp, want_ids = torch.log_softmax(logits, -1).topk(k, -1)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
+
+
+def test_rows_are_the_same_bits_alone_in_a_batch_and_at_any_thread_count(head) -> None:
+    """Draft-level rows (given h, each over its own slots) alone, in a batch of 5, at 1 and 2 threads."""
+    fused = FusedHead.build(head)
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(64, head.nkv, head.hd, generator=g).to(torch.bfloat16)
+    vc = torch.randn(64, head.nkv, head.hd, generator=g).to(torch.bfloat16)
+    h = torch.randn(5, 64, generator=g)
+    tokens = torch.randint(0, 256, (5,), generator=g).numpy()
+    nkeys = np.array([3, 7, 1, 12, 5])
+    slots = np.zeros((5, 12), dtype=np.int64)
+    for r, n in enumerate(nkeys):
+        slots[r, : n - 1] = np.arange(n - 1)
+        slots[r, n - 1] = 40 + r  # its own key, written by the call
+    pos = nkeys - 1
+
+    def call(rows, threads):
+        kk, vv = kc.clone(), vc.clone()
+        return fused.run(kk, vv, tokens[rows], pos[rows], 40 + np.asarray(rows), slots[rows], nkeys[rows],
+                         np.arange(len(rows)), 3, h=h[rows], threads=threads)
+
+    batch = call(list(range(5)), 2)
+    for threads in (1, 2):
+        for r in range(5):
+            alone = call([r], threads)
+            for a, b in zip(alone, batch):
+                assert torch.equal(a[0], b[r])
+
+
+@pytest.mark.parametrize("level", [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)] or
+                         [pytest.param("none", marks=pytest.mark.skip(reason="this CPU runs only the avx2 level"))])
+def test_each_isa_level_gives_the_avx2_bits(head, level) -> None:
+    fused = FusedHead.build(head)
+    t = 11
+    aux, tokens, slots, nkeys = _rows(t, seed=7)
+    outs = {}
+    for lv in ("avx2", level):
+        fused.kernel = cpu_kernels.HeadKernel(build.build("head", lv))
+        kc, vc = _cache(head)
+        outs[lv] = [*fused.run(kc, vc, tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), 5,
+                               aux=aux), kc, vc]
+    for a, b in zip(outs["avx2"], outs[level]):
+        assert torch.equal(a, b)
+
+
+def test_slots_outside_the_cache_and_ids_outside_the_vocabulary_are_refused(head) -> None:
+    fused = FusedHead.build(head)
+    aux, tokens, slots, nkeys = _rows(3)
+    kc, vc = _cache(head, 8)
+    bad = slots.copy()
+    bad[2, 1] = 8
+    with pytest.raises(RuntimeError, match="bad shapes, ids or slots"):
+        fused.run(kc, vc, tokens.numpy(), np.arange(3), np.arange(3), bad, nkeys, np.arange(3), 2, aux=aux)
+    with pytest.raises(RuntimeError, match="bad shapes, ids or slots"):
+        fused.run(kc, vc, np.array([0, 1, 256]), np.arange(3), np.arange(3), slots, nkeys, np.arange(3), 2, aux=aux)
+    assert not kc.any()  # refused before anything was written
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (3 + (7 * i) % 29,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_speculative_greedy_equals_plain_greedy_on_the_head_kernel(ckpts, topk, monkeypatch) -> None:
+    """Drafts from the head kernel (every draft level and catch-up through it), verified: greedy output
+    is plain greedy output, in a batch of 5 and alone."""
+    calls = []
+    run = FusedHead.run
+
+    def counted(self, *a, **kw):
+        calls.append(len(a[2]))
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(FusedHead, "run", counted)
+    target, _ = ckpts
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 17, 30, 9, 20)]
+    prompts = _prompts(len(params))
+    plain = LLM(str(target), speculative_algorithm="none", dtype="bfloat16", quantization="int4", log_stats_interval=0)
+    spec = _llm(ckpts, speculative_num_steps=3, speculative_eagle_topk=topk, speculative_num_draft_tokens=4)
+    assert spec.engine.speculator.proposer.fused is not None
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert spec.generate(prompts[:1], params[:1], use_tqdm=False)[0].token_ids == want[0]
+    assert len(calls) > 10 and max(calls) > 1  # levels and catch-ups went through the kernel, batched
+
+
+def test_without_the_kernels_the_torch_head_drafts(ckpts, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "head", lambda: None)
+    assert _llm(ckpts).engine.speculator.proposer.fused is None
