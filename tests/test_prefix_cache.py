@@ -442,3 +442,28 @@ def test_bench_throughput_repeats_compute_their_prompts(ckpts):
     assert system.generate(prompts, 5) == first
     assert system.llm.engine.scheduler.prefix_hits == 0
     system.close()
+
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_written_blocks_count_every_block_ever_handed_out_and_no_other(caching: bool) -> None:
+    """num_written is what the lazily taken cache memory follows (the stress harness's RSS besides the cache):
+    every block ever handed out, and without caching no more than the most ever held at once."""
+    import random
+
+    rng = random.Random(0)
+    alloc = BlockAllocator(64, 4, enable_caching=caching)
+    ever, held, peak = set(), [], 0
+    for step in range(400):
+        if held and rng.random() < 0.5:
+            alloc.free(held.pop(rng.randrange(len(held))))
+        elif alloc.num_free and sum(map(len, held)) < 20:
+            blocks = alloc.allocate(rng.randint(1, min(5, alloc.num_free)))
+            if caching and step % 3 == 0:  # some stay cached (idle after their free, evicted later)
+                alloc.register(blocks[0], f"k{step}".encode(), [step])
+            ever.update(blocks)
+            held.append(blocks)
+        peak = max(peak, sum(map(len, held)))
+        assert alloc.num_written == max(ever, default=0) == len(ever)  # blocks 1..num_written, each written
+    if not caching:  # freed blocks went out again before fresh ones
+        assert alloc.num_written == peak < 63

@@ -70,6 +70,13 @@ class Sample:
     kv_blocks_in_use: float
     running: float
     waiting: float
+    kv_written_blocks: float = 0.0  # the cache's memory taken so far, in blocks (it grows as traffic writes it)
+
+
+def _kv_block_bytes(info: dict[str, Any]) -> int | None:
+    """Bytes of one KV block (every layer, K and V), from /server_info: what a newly written block adds to RSS."""
+    kv = info.get("engine", {}).get("kv_cache") or {}
+    return kv["bytes_per_token"] * kv["block_size"] if kv.get("bytes_per_token") and kv.get("block_size") else None
 
 
 def _kv_in_use(m: dict[str, float]) -> float:
@@ -89,7 +96,8 @@ def _client(clients: int, timeout: float) -> httpx.AsyncClient:
 async def _sample(base_url: str, pid: int | None, t0: float) -> Sample:
     m = await asyncio.to_thread(read_metrics, base_url)
     return Sample(round(time.monotonic() - t0, 1), rss_bytes(pid) if pid else None, _kv_in_use(m),
-                  m.get("augury:num_requests_running", 0.0), m.get("augury:num_requests_waiting", 0.0))
+                  m.get("augury:num_requests_running", 0.0), m.get("augury:num_requests_waiting", 0.0),
+                  m.get("augury:kv_cache_written_blocks", 0.0))
 
 
 async def _load(s: StressSettings, base_url: str, workload: Workload, pid: int | None, seconds: float,
@@ -256,6 +264,7 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
             info = (await http.get(f"{base_url}/server_info")).json()
         workload = Workload.build(model, _long_chars(info), s.max_tokens)
         report.update(model=model, max_model_len=info["engine"]["max_model_len"],
+                      shutdown_timeout=info.get("server", {}).get("shutdown_timeout"),
                       max_num_seqs=info["engine"]["engine_config"].get("max_num_seqs"),
                       long_prompt_chars=len(workload.long_text))
         before = await asyncio.to_thread(read_metrics, base_url)
@@ -266,6 +275,7 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
         report["load_seconds"] = round(time.monotonic() - t0, 1)
         settled, settle_seconds = await _settle(base_url)
         rss_end = rss_bytes(pid) if pid else None
+        kv_written_end = settled.get("augury:kv_cache_written_blocks", 0.0)
         log(f"replay: distinct deterministic bodies one at a time (at most {s.replay_max})")
         replay = await _replay(s, base_url, results)
         after_replay, _ = await _settle(base_url)
@@ -280,7 +290,9 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
                               "usable": settled.get("augury:kv_cache_usable_blocks")},
             clean_after_load=is_clean(settled), clean_after_replay=is_clean(after_replay),
             rss={"first_sample_t": first.t if first else None, "first_sample_bytes": first.rss_bytes if first else None,
-                 "after_load_bytes": rss_end},
+                 "after_load_bytes": rss_end, "kv_block_bytes": _kv_block_bytes(info),
+                 "first_sample_kv_written_blocks": first.kv_written_blocks if first else None,
+                 "after_load_kv_written_blocks": kv_written_end},
             engine_step_errors=settled.get("augury:engine_step_errors_total", 0.0)
             - before.get("augury:engine_step_errors_total", 0.0),
             aborted=settled.get("augury:requests_aborted_total", 0.0) - before.get("augury:requests_aborted_total", 0.0),

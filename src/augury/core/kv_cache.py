@@ -53,6 +53,9 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}  # key -> cached block
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, least recently used first
         self.num_evicted = 0
+        # blocks 1..num_written have been handed out at least once: fresh blocks go out in order, freed ones
+        # first, so these are all the blocks ever written, and the cache's memory taken so far (lazy_zeros)
+        self.num_written = 0
 
     @property
     def num_usable(self) -> int:
@@ -81,6 +84,7 @@ class BlockAllocator:
         for _ in range(n):
             if self._free:
                 b = self._free.pop()
+                self.num_written = max(self.num_written, b)
             else:  # evict the least recently used idle cached block
                 b, _ = self._idle.popitem(last=False)
                 self._forget(b)

@@ -58,6 +58,7 @@ class Snapshot:
     kv_usage: float = 0.0
     kv_free_blocks: int = 0
     kv_usable_blocks: int = 0
+    kv_written_blocks: int = 0  # blocks written at least once since start: the cache memory taken so far
     generation_tokens_total: int = 0
     accept_length: float = 0.0
     acceptance_rates: tuple[float, ...] = ()
@@ -350,6 +351,7 @@ class EngineLoop:
         return Snapshot(**masks,
             running=engine.num_running, waiting=engine.num_waiting, in_flight=len(self._members),
             kv_usage=alloc.usage, kv_free_blocks=alloc.num_free, kv_usable_blocks=alloc.num_usable,
+            kv_written_blocks=alloc.num_written,
             generation_tokens_total=stats.generation_tokens_total, accept_length=stats.accept_length,
             acceptance_rates=tuple(stats.acceptance_rates()), last_draft_tokens=stats.last_draft_tokens,
             steps_spec=stats.steps_spec, steps_plain=stats.steps_plain,

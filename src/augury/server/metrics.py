@@ -39,6 +39,8 @@ class _EngineCollector(Collector):
         yield self._gauge("augury:kv_cache_usage_ratio", "Fraction of usable KV cache blocks in use.", s.kv_usage)
         yield self._gauge("augury:kv_cache_free_blocks", "Free KV cache blocks.", s.kv_free_blocks)
         yield self._gauge("augury:kv_cache_usable_blocks", "Usable KV cache blocks.", s.kv_usable_blocks)
+        yield self._gauge("augury:kv_cache_written_blocks", "KV cache blocks written at least once since start: "
+                          "the cache takes memory as it is written, up to its reservation.", s.kv_written_blocks)
         yield self._gauge("augury:prefix_cache_hit_rate",
                           "Of the prompt tokens admitted requests had to prefill, the fraction served from the "
                           "prefix cache.", s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
