@@ -90,6 +90,27 @@ def test_top_k_is_the_log_softmax_of_the_kernels_own_logits(head) -> None:
     assert torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
 
 
+def test_an_int8_output_layer_runs_on_w8a8_and_a_replaced_layer_is_read(head, monkeypatch) -> None:
+    """The head's output layer replaced by an int8 one (W8A8OutputLinear, as the target keeps its own):
+    the plan built before reads the new layer (its table rebuilt), whose logits are w8a8's general form's."""
+    from augury.models.quant import W8A8OutputLinear
+
+    fused = FusedHead.build(head)
+    t, k = 5, 6
+    aux, tokens, slots, nkeys = _rows(t, seed=4)
+    before = fused.run(*_cache(head), tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k,
+                       aux=aux)
+    monkeypatch.setattr(head, "lm_head", W8A8OutputLinear(head.lm_head.weight.float(), cpu_kernels.w8a8()))
+    out, ids, lp = fused.run(*_cache(head), tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k,
+                             aux=aux)
+    assert torch.equal(out, before[0]) and not torch.equal(lp, before[2])
+    x = cpu_kernels.elementwise().rms_norm(out, head.norm.weight, head.norm.eps)
+    logits = cpu_kernels.w8a8().linear_general(x, head.lm_head.codes, head.lm_head.scale, None, None,
+                                               out_dtype=torch.float32)
+    want_lp, want_ids = torch.log_softmax(logits.double(), -1).topk(k, -1)
+    assert torch.equal(ids, want_ids) and torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
+
+
 def test_rows_are_the_same_bits_alone_in_a_batch_and_at_any_thread_count(head) -> None:
     """Draft-level rows (given h, each over its own slots) alone, in a batch of 5, at 1 and 2 threads."""
     fused = FusedHead.build(head)

@@ -21,7 +21,7 @@ import torch
 
 from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
-from augury.models.fused import epoch, linear_fields
+from augury.models.fused import DENSE, epoch, linear_fields
 from augury.models.quant import W8A8OutputLinear
 
 NFIELDS = 40  # csrc/head.cpp's HeadField order
@@ -36,8 +36,10 @@ def _fields(lin) -> list[int] | None:
 
 
 def _columns(lin) -> int:
-    """The output columns the kernel computes for `lin` (whole panels of 16)."""
-    return -(-lin.out_features // 16) * 16
+    """The output columns the kernel computes for `lin`: every column its panels hold (16 a panel on
+    the quantised kernels, 8 on the dense one)."""
+    panel = 8 if _fields(lin)[0] == DENSE else 16
+    return -(-lin.out_features // panel) * panel
 
 
 class FusedHead:
@@ -67,8 +69,8 @@ class FusedHead:
         emb = head.embed.weight
         if emb.dtype != torch.bfloat16 or not emb.is_contiguous() or emb.device.type != "cpu":
             return None
-        if any(_fields(lin) is None for lin in _linears(head)):
-            return None
+        if any(_fields(lin) is None for lin in _linears(head)) or _columns(head.lm_head) % 16:
+            return None  # the kernel's logit rows are whole panels of 16
         if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in _norms(head)):
             return None
         kernel = cpu_kernels.head()
@@ -82,12 +84,17 @@ class FusedHead:
         ln_in, hnorm, ln2, norm = _norms(head)
         row = [*_fields(fc), ln_in.weight.data_ptr(), hnorm.weight.data_ptr(), *_fields(qkv), *_fields(o),
                ln2.weight.data_ptr(), *_fields(gu), *_fields(dn), norm.weight.data_ptr(), *_fields(lm)]
-        held = [n.weight for n in _norms(head)] + [t for lin in _linears(head) for t in lin.buffers()]
+        # what the addresses belong to: the modules and norm weights (compared on each call), their tensors
+        held = [*_linears(head), *_norms(head), *(n.weight for n in _norms(head)),
+                *(t for lin in _linears(head) for t in lin.buffers())]
         return torch.tensor(row, dtype=torch.int64), epoch(), held
 
     def _current(self) -> torch.Tensor:
-        """The table, rebuilt where a module moved (models/fused.py's counter) or a norm was replaced."""
-        if self.epoch != epoch() or any(a is not b for a, b in zip(self.held, (n.weight for n in _norms(self.head)))):
+        """The table, rebuilt where a module moved or converted (models/fused.py's counter) or one of the
+        head's linears, norms or norm weights was replaced."""
+        head = self.head
+        now = (*_linears(head), *_norms(head), *(n.weight for n in _norms(head)))
+        if self.epoch != epoch() or any(a is not b for a, b in zip(self.held, now)):
             self.table, self.epoch, self.held = self._table()
         return self.table
 
