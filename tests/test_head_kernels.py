@@ -11,13 +11,14 @@ from augury import LLM, SamplingParams
 from augury.cpu import build, isa
 from augury.cpu import kernels as cpu_kernels
 from augury.models.eagle3_fused import FusedHead
+from augury.models.quant import Int4Linear, W8A8OutputLinear
 
 from speculative_helpers import make_target, random_head
 
 pytestmark = pytest.mark.skipif(isa.why_unsupported() is not None or build.compiler() is None,
                                 reason="augury's CPU kernels do not run here")
 
-DRAFT_VOCAB = 256  # whole panels of 16: the head's lm_head goes on w4a8 too
+DRAFT_VOCAB = 256  # whole panels of 16 (an int4 output layer's too)
 
 
 @pytest.fixture(scope="module")
@@ -73,42 +74,35 @@ def test_the_kernel_computes_what_the_torch_head_computes(head) -> None:
     assert (lp[:, 0] - ref_lp[:, 0]).abs().max() < 0.1
 
 
-def test_top_k_is_the_log_softmax_of_the_kernels_own_logits(head) -> None:
+def _own_logits(head, out: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the head's output layer on the kernels' own row functions: the final norm of
+    out rounded to bfloat16, then w8a8's general form (an int8 layer) or w4a8 (an int4 one)."""
+    x = cpu_kernels.elementwise().rms_norm(out, head.norm.weight, head.norm.eps)
+    lm = head.lm_head
+    if isinstance(lm, W8A8OutputLinear):
+        return cpu_kernels.w8a8().linear_general(x, lm.codes, lm.scale, None, None, out_dtype=torch.float32)
+    return cpu_kernels.w4a8().linear(x, lm.w4a8_codes, lm.w4a8_scale, lm.w4a8_zero, out_dtype=torch.float32)
+
+
+def test_an_int4_head_keeps_its_output_layer_at_int8(head) -> None:
+    assert isinstance(head.lm_head, W8A8OutputLinear) and isinstance(head.fc, Int4Linear)
+
+
+@pytest.mark.parametrize("layer", ["int8", "int4"])
+def test_top_k_is_the_log_softmax_of_the_kernels_own_logits(head, layer, monkeypatch) -> None:
     """The k best ids and log-probabilities the kernel gives equal float64 log_softmax + topk over the
-    logits its own row functions give (final norm of the returned h, then lm_head in float32)."""
+    logits its own row functions give, with the output layer as loaded (int8 on w8a8) and replaced by
+    an int4 one after the plan was built (its table is rebuilt: the layer read is the new one)."""
     fused = FusedHead.build(head)
     t, k = 6, 8
     aux, tokens, slots, nkeys = _rows(t, seed=3)
-    kc, vc = _cache(head)
-    out, ids, lp = fused.run(kc, vc, tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k, aux=aux)
-    el, w4 = cpu_kernels.elementwise(), cpu_kernels.w4a8()
-    x = el.rms_norm(out, head.norm.weight, head.norm.eps)  # bfloat16, as the kernel rounds it
-    lm = head.lm_head
-    logits = w4.linear(x, lm.w4a8_codes, lm.w4a8_scale, lm.w4a8_zero, out_dtype=torch.float32).double()
-    want_lp, want_ids = torch.log_softmax(logits, -1).topk(k, -1)
-    assert torch.equal(ids, want_ids)
-    assert torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
-
-
-def test_an_int8_output_layer_runs_on_w8a8_and_a_replaced_layer_is_read(head, monkeypatch) -> None:
-    """The head's output layer replaced by an int8 one (W8A8OutputLinear, as the target keeps its own):
-    the plan built before reads the new layer (its table rebuilt), whose logits are w8a8's general form's."""
-    from augury.models.quant import W8A8OutputLinear
-
-    fused = FusedHead.build(head)
-    t, k = 5, 6
-    aux, tokens, slots, nkeys = _rows(t, seed=4)
-    before = fused.run(*_cache(head), tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k,
-                       aux=aux)
-    monkeypatch.setattr(head, "lm_head", W8A8OutputLinear(head.lm_head.weight.float(), cpu_kernels.w8a8()))
+    if layer == "int4":
+        monkeypatch.setattr(head, "lm_head", Int4Linear.from_float(head.lm_head.weight, None, torch.bfloat16))
     out, ids, lp = fused.run(*_cache(head), tokens.numpy(), np.arange(t), np.arange(t), slots, nkeys, np.arange(t), k,
                              aux=aux)
-    assert torch.equal(out, before[0]) and not torch.equal(lp, before[2])
-    x = cpu_kernels.elementwise().rms_norm(out, head.norm.weight, head.norm.eps)
-    logits = cpu_kernels.w8a8().linear_general(x, head.lm_head.codes, head.lm_head.scale, None, None,
-                                               out_dtype=torch.float32)
-    want_lp, want_ids = torch.log_softmax(logits.double(), -1).topk(k, -1)
-    assert torch.equal(ids, want_ids) and torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
+    want_lp, want_ids = torch.log_softmax(_own_logits(head, out).double(), -1).topk(k, -1)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(lp.double(), want_lp, atol=1e-5, rtol=0)
 
 
 def test_rows_are_the_same_bits_alone_in_a_batch_and_at_any_thread_count(head) -> None:
@@ -196,6 +190,24 @@ def test_speculative_greedy_equals_plain_greedy_on_the_head_kernel(ckpts, topk, 
     assert [o.token_ids for o in got] == want
     assert spec.generate(prompts[:1], params[:1], use_tqdm=False)[0].token_ids == want[0]
     assert len(calls) > 10 and max(calls) > 1  # levels and catch-ups went through the kernel, batched
+
+
+def test_prefix_cache_hits_read_the_offered_head_kv_on_the_head_kernel(ckpts) -> None:
+    """Requests that share a 40-token prefix with an earlier one take its blocks (and the head KV it
+    offered) from the cache; their drafts come from the kernel reading those slots: greedy output is
+    still plain greedy output."""
+    target, _ = ckpts
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(3, 256, (40,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 5, 8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(target), speculative_algorithm="none", dtype="bfloat16", quantization="int4", log_stats_interval=0)
+    spec = _llm(ckpts, speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    first = spec.generate(prompts[:1], params, use_tqdm=False)
+    later = spec.generate(prompts[1:], params, use_tqdm=False)
+    assert [o.token_ids for o in first + later] == want
+    assert all(o.num_cached_tokens >= 32 for o in later)
 
 
 def test_without_the_kernels_the_torch_head_drafts(ckpts, monkeypatch) -> None:

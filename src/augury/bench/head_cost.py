@@ -13,11 +13,11 @@ over --steps; its share is that over the decode step of the same repeat; the tab
 repeats, and over --processes processes a level.
 
 Acceptance (--acceptance): the demo target (int4) with its head in each form, the bfloat16 head
-(dense), int4 linears with an int4 draft-vocabulary output layer (quantize_head's), and int4 linears
-with that layer int8 on w8a8 (as the target keeps its own output layer): the same static chain over
---prompts held-out chat prompts (the 'eval' split, which the head's training never saw), greedy, so
-the output is the plain greedy output whatever the head (checked); printed: the share of steps whose
-first draft was accepted and the mean accepted drafts per step.
+(dense), int4 linears with an int4 draft-vocabulary output layer, and int4 linears with that layer
+int8 on w8a8 (as load_eagle3 loads an int4 head, and as the target keeps its own output layer):
+the same static chain over --prompts held-out chat prompts (the 'eval' split, which the head's
+training never saw), greedy, so the output is the plain greedy output whatever the head (checked);
+printed: the share of steps whose first draft was accepted and the mean accepted drafts per step.
 """
 from __future__ import annotations
 
@@ -104,10 +104,11 @@ def _cost_worker(steps: int, tokens: int, context: int, repeats: int, inner: int
 
 def _variants(llm) -> dict:
     """The demo head in each form the acceptance table compares, loaded afresh."""
-    from augury.cpu import kernels as cpu_kernels
+    import torch
+
     from augury.heads import demo_head_dir
     from augury.models.eagle3_head import load_eagle3
-    from augury.models.quant import W8A8OutputLinear
+    from augury.models.quant import Int4Linear
 
     engine = llm.engine
     old = engine.speculator.proposer.head
@@ -117,9 +118,8 @@ def _variants(llm) -> dict:
         return load_eagle3(demo_head_dir(), model.cfg, model.embed_tokens, old.dtype, old.device, old.rotary.max_len,
                            quantization=mode)
 
-    dense, int4 = load("none"), load("int4")
-    mixed = load("int4")
-    mixed.lm_head = W8A8OutputLinear(dense.lm_head.weight.float(), cpu_kernels.w8a8())
+    dense, mixed, int4 = load("none"), load("int4"), load("int4")  # int4 loads with an int8 output layer
+    int4.lm_head = Int4Linear.from_float(dense.lm_head.weight, None, torch.bfloat16)
     return {"bf16 (dense)": dense, "int4, int4 lm_head": int4, "int4, int8 lm_head": mixed}
 
 
