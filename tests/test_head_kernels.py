@@ -210,6 +210,18 @@ def test_prefix_cache_hits_read_the_offered_head_kv_on_the_head_kernel(ckpts) ->
     assert all(o.num_cached_tokens >= 32 for o in later)
 
 
+def test_the_scratch_region_grows_keeping_the_heads_cache(ckpts) -> None:
+    """A batch whose tree needs more scratch slots than the region holds grows it; the head's own
+    blocks keep what they held."""
+    proposer = _llm(ckpts).engine.speculator.proposer
+    base = (proposer.zero_block + 1) * proposer.block_size
+    proposer.cache.k[0, 5].fill_(1.5)
+    have = proposer.cache.k.shape[1] - base
+    assert proposer.scratch(have) == base and proposer.cache.k.shape[1] == base + have  # enough: unchanged
+    assert proposer.scratch(have + 1) == base and proposer.cache.k.shape[1] >= base + have + 1
+    assert (proposer.cache.k[0, 5] == 1.5).all() and not proposer.cache.k[0, 6].any()
+
+
 def test_without_the_kernels_the_torch_head_drafts(ckpts, monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "head", lambda: None)
     assert _llm(ckpts).engine.speculator.proposer.fused is None

@@ -92,14 +92,16 @@ def _cost_worker(steps: int, tokens: int, context: int, repeats: int, inner: int
             proposer.fused = paths[name]
             calls.clear()
             llm.generate([prompts[rep]], params, use_tqdm=False)
+            if not calls:  # every step verified suffix drafts alone: nothing of the head's to time
+                continue
             per_level = statistics.median(calls) / steps
             level[name].append(per_level)
             share[name].append(per_level / d)
     proposer.fused = fused
     status = cpu.status()
     return {"isa": status["kernels_isa"], "threads": torch.get_num_threads(), "decode_ms": statistics.median(decode) * 1e3,
-            "level_ms": {p: statistics.median(v) * 1e3 for p, v in level.items()},
-            "share": {p: statistics.median(v) for p, v in share.items()}}
+            "level_ms": {p: statistics.median(v) * 1e3 for p, v in level.items() if v},
+            "share": {p: statistics.median(v) for p, v in share.items() if v}}
 
 
 def _variants(llm) -> dict:
