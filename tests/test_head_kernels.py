@@ -167,10 +167,14 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, 256, (3 + (7 * i) % 29,), generator=g).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("topk", [1, 2])
-def test_speculative_greedy_equals_plain_greedy_on_the_head_kernel(ckpts, topk, monkeypatch) -> None:
+@pytest.mark.parametrize("topk,rows", [(1, 256), (2, 256), (2, 7)])
+def test_speculative_greedy_equals_plain_greedy_on_the_head_kernel(ckpts, topk, rows, monkeypatch) -> None:
     """Drafts from the head kernel (every draft level and catch-up through it), verified: greedy output
-    is plain greedy output, in a batch of 5 and alone."""
+    is plain greedy output, in a batch of 5 and alone; with catch-up calls of 7 rows, a request's
+    backlog is cut over several calls, and a call holds two pieces of one request."""
+    from augury.speculative import eagle3_proposer
+
+    monkeypatch.setattr(eagle3_proposer, "CATCH_UP_ROWS", rows)
     calls = []
     run = FusedHead.run
 

@@ -164,6 +164,7 @@ class Eagle3Proposer:
         log-probabilities [B, k])."""
         fused, cache = self.fused, self.cache
         feats = self._take(host, reqs)
+        start = [r.draft_len for r in reqs]  # feats[i]'s row j is position start[i] + j
         b = len(reqs)
         last = torch.empty(b, self.head.cfg.hidden_size, dtype=torch.float32)
         top_id = torch.empty(b, k, dtype=torch.int64)
@@ -179,16 +180,17 @@ class Eagle3Proposer:
                     todo.insert(0, (i, j0 + take, j1))
                 call.append((i, j0, j0 + take))
                 rows += take
-            width = max(reqs[i].draft_len + (j1 - j0) for i, j0, j1 in call)
+            # (a call may hold two pieces of one request, the later reading the earlier's keys)
+            width = max(start[i] + j1 for i, _, j1 in call)
             slots = np.zeros((rows, width), dtype=np.int64)
             tokens, positions, mapping, nkeys, aux, logit_rows, owners = [], [], [], [], [], [], []
             t = 0
             for i, j0, j1 in call:
-                r, n = reqs[i], j1 - j0
-                pos = np.arange(r.draft_len, r.draft_len + n)
-                sl = self._slots(r, r.draft_len + n)
+                r, n, p0 = reqs[i], j1 - j0, start[i] + j0
+                pos = np.arange(p0, p0 + n)
+                sl = self._slots(r, p0 + n)
                 slots[t : t + n, : len(sl)] = sl
-                tokens.append(np.asarray(r.all_token_ids[r.draft_len + 1 : r.draft_len + 1 + n], dtype=np.int64))
+                tokens.append(np.asarray(r.all_token_ids[p0 + 1 : p0 + 1 + n], dtype=np.int64))
                 positions.append(pos)
                 mapping.append(sl[pos])
                 nkeys.append(pos + 1)
@@ -196,7 +198,7 @@ class Eagle3Proposer:
                 if j1 == feats[i].shape[0]:
                     logit_rows.append(t + n - 1)
                     owners.append(i)
-                r.draft_len += n
+                r.draft_len = p0 + n
                 t += n
             out, ids, lp = fused.run(cache.k[0], cache.v[0], np.concatenate(tokens), np.concatenate(positions),
                                      np.concatenate(mapping), slots, np.concatenate(nkeys), np.asarray(logit_rows), k,
