@@ -116,7 +116,7 @@ class _LlamaCpp:
         if not self.model:
             raise ValueError(f"llama.cpp could not load {path}")
         p = lc.llama_context_default_params()
-        p.n_seq_max, p.n_ctx = seqs, seqs * per_seq
+        p.n_seq_max, p.n_ctx = seqs, seqs * -(-per_seq // 256) * 256  # llama.cpp pads each sequence's cells to 256
         p.n_batch = p.n_ubatch = 512
         p.n_threads = p.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(self.model, p)
