@@ -6,10 +6,12 @@ tensor in the checkpoint must be used: anything else is a ValueError naming the 
 from __future__ import annotations
 
 import json
-import logging
+import os
+import struct
+from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -18,13 +20,11 @@ from augury.models.dense import (bf16_panel_linears, fbgemm_half_available, pack
                                  row_padding)
 from augury.models.layers import Rotary
 from augury.models.llama import Collectives, Shard, TargetModel
-from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
+from augury.models.quant import INT4_FILE, INT4_INDEX
 
 # Tensors some checkpoints carry that no forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-log = logging.getLogger(__name__)
 
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -50,6 +50,135 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class TensorFile:
+    """One safetensors file read with plain reads, a tensor (or a rank's rows of it) at a time: no
+    mmap, so the file's pages never count as this process's memory (a mapped file's touched pages
+    do, until it is closed: the whole side file's, during a GGUF load)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "rb", buffering=0)
+        try:
+            (size,) = struct.unpack("<Q", self._f.read(8))
+            header = json.loads(self._f.read(size))
+        except (struct.error, ValueError) as e:
+            self._f.close()
+            raise ValueError(f"{path} is not a safetensors file ({e})") from e
+        header.pop("__metadata__", None)
+        self._start = 8 + size
+        self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {
+            name: (_SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]), *e["data_offsets"]) for name, e in header.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entries[name][1])
+
+    def _read(self, offset: int, nbytes: int, buf: torch.Tensor | None = None) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
+        view, done = memoryview(buf.numpy()), 0
+        while done < nbytes:  # a read may return less than asked
+            got = os.preadv(self._f.fileno(), [view[done:]], self._start + offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path} is truncated")
+            done += got
+        return buf
+
+    def read_into(self, name: str, dest: torch.Tensor) -> bool:
+        """Tensor `name` read straight into `dest` (no copy beside it) where `dest` is a contiguous CPU
+        tensor of its dtype and size; False (nothing read) otherwise."""
+        dtype, shape, begin, end = self._entries[name]
+        if dest.dtype != dtype or dest.device.type != "cpu" or not dest.is_contiguous() or \
+                dest.numel() * dest.element_size() != end - begin or dest.numel() == 0:
+            return False
+        self._read(begin, end - begin, dest.view(-1).view(torch.uint8))
+        return True
+
+    def get_tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its rows a..b-1 (dimension 0)."""
+        dtype, shape, begin, end = self._entries[name]
+        if rows is not None:
+            row = (end - begin) // max(1, shape[0])
+            begin, end = begin + rows[0] * row, begin + rows[1] * row
+            shape = [rows[1] - rows[0], *shape[1:]]
+        return self._read(begin, end - begin).view(dtype).reshape(shape)
+
+    def part(self, name: str, part: Part, per: int = 1) -> torch.Tensor:
+        """Only `part` (shard_part's) of tensor `name`, as _read_part gives it from safe_open (`per`
+        checkpoint values per stored column)."""
+        if part is None:
+            return self.get_tensor(name)
+        dim, a, b, _ = part
+        if dim == 0:
+            return self.get_tensor(name, (a, b))
+        return self.get_tensor(name)[:, a // per: b // per].contiguous()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "TensorFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Checkpoint(Mapping):
+    """A folder's safetensors files, open: name -> tensor, each read when asked for (one tensor's copy
+    at a time, never the whole state dict). A context manager; closes the files on exit."""
+
+    def __init__(self, folder: Path) -> None:
+        self._files = ExitStack()
+        self._where: dict[str, TensorFile] = {}
+        for file in checkpoint_files(folder):
+            f = self._files.enter_context(TensorFile(file))
+            self._where.update((name, f) for name in f.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def part(self, name: str, part: Part) -> torch.Tensor:
+        """Only `part` of tensor `name` (shard_part's)."""
+        return self._where[name].part(name, part)
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name].shape(name)
+
+    def read_into(self, name: str, dest: torch.Tensor) -> bool:
+        return self._where[name].read_into(name, dest)
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.close()
+
+
+def materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Every tensor of `model` still on the meta device made real (uninitialised) on `device`,
+    floating ones in `dtype`: to_empty().to(dtype) for what is left, leaving built modules alone."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
+                setattr(module, name, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                setattr(module, name, torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype))
+
+
 def copy_strict(
     targets: dict[str, torch.Tensor],
     tensors: dict[str, torch.Tensor],
@@ -72,56 +201,66 @@ def copy_strict(
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ValueError(f"{where}: unexpected tensor {unexpected[0]}{more}")
     for name, dest in targets.items():
-        src = tensors[name]
-        if tuple(src.shape) != tuple(dest.shape):
+        shape = tensors.shape(name) if isinstance(tensors, Checkpoint) else list(tensors[name].shape)
+        if tuple(shape) != tuple(dest.shape):
             raise ValueError(
-                f"{where}: tensor {name} has shape {list(src.shape)}, expected {list(dest.shape)}"
+                f"{where}: tensor {name} has shape {list(shape)}, expected {list(dest.shape)}"
             )
         with torch.no_grad():
-            dest.copy_(src.to(dest.dtype))
+            if not (isinstance(tensors, Checkpoint) and tensors.read_into(name, dest)):
+                dest.copy_(tensors[name].to(dest.dtype))
 
 
 def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
-    """HF tensor name -> destination view inside our fused parameters."""
+    """HF tensor name -> destination view inside our fused parameters. A linear that is no longer an
+    nn.Linear (built from a GGUF side file already: models/native_load.py) has no destination."""
     cfg = model.cfg
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dense = lambda m: isinstance(m, torch.nn.Linear)  # noqa: E731
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": model.embed_tokens.weight,
         "model.norm.weight": model.norm.weight,
     }
-    if model.lm_head is not None:
+    if dense(model.lm_head):
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        w = attn.qkv_proj.weight
-        out[p + "self_attn.q_proj.weight"] = w[:q]
-        out[p + "self_attn.k_proj.weight"] = w[q : q + kv]
-        out[p + "self_attn.v_proj.weight"] = w[q + kv :]
-        if attn.qkv_proj.bias is not None:
-            b = attn.qkv_proj.bias
-            out[p + "self_attn.q_proj.bias"] = b[:q]
-            out[p + "self_attn.k_proj.bias"] = b[q : q + kv]
-            out[p + "self_attn.v_proj.bias"] = b[q + kv :]
-        out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
-        if attn.o_proj.bias is not None:
-            out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
-        elif attn.o_bias is not None:  # a row-parallel shard: the bias is added after the sum over ranks
+        if dense(attn.qkv_proj):
+            w = attn.qkv_proj.weight
+            out[p + "self_attn.q_proj.weight"] = w[:q]
+            out[p + "self_attn.k_proj.weight"] = w[q : q + kv]
+            out[p + "self_attn.v_proj.weight"] = w[q + kv :]
+            if attn.qkv_proj.bias is not None:
+                b = attn.qkv_proj.bias
+                out[p + "self_attn.q_proj.bias"] = b[:q]
+                out[p + "self_attn.k_proj.bias"] = b[q : q + kv]
+                out[p + "self_attn.v_proj.bias"] = b[q + kv :]
+        if dense(attn.o_proj):
+            out[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.o_proj.bias is not None:
+                out[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+        if attn.o_bias is not None:  # a row-parallel shard: the bias is added after the sum over ranks
             out[p + "self_attn.o_proj.bias"] = attn.o_bias
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
             out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
         inter = cfg.intermediate_size
-        gu = mlp.gate_up_proj.weight
-        out[p + "mlp.gate_proj.weight"] = gu[:inter]
-        out[p + "mlp.up_proj.weight"] = gu[inter:]
-        out[p + "mlp.down_proj.weight"] = mlp.down_proj.weight
-        if mlp.gate_up_proj.bias is not None:
-            out[p + "mlp.gate_proj.bias"] = mlp.gate_up_proj.bias[:inter]
-            out[p + "mlp.up_proj.bias"] = mlp.gate_up_proj.bias[inter:]
-            out[p + "mlp.down_proj.bias"] = mlp.down_proj.bias if mlp.down_bias is None else mlp.down_bias
+        if dense(mlp.gate_up_proj):
+            gu = mlp.gate_up_proj.weight
+            out[p + "mlp.gate_proj.weight"] = gu[:inter]
+            out[p + "mlp.up_proj.weight"] = gu[inter:]
+            if mlp.gate_up_proj.bias is not None:
+                out[p + "mlp.gate_proj.bias"] = mlp.gate_up_proj.bias[:inter]
+                out[p + "mlp.up_proj.bias"] = mlp.gate_up_proj.bias[inter:]
+        if dense(mlp.down_proj):
+            out[p + "mlp.down_proj.weight"] = mlp.down_proj.weight
+        if mlp.down_bias is not None:  # row-parallel, as o_bias
+            out[p + "mlp.down_proj.bias"] = mlp.down_bias
+        elif dense(mlp.down_proj) and mlp.down_proj.bias is not None:
+            out[p + "mlp.down_proj.bias"] = mlp.down_proj.bias
     return out
 
 
@@ -229,85 +368,6 @@ def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def load_native_int4(model: TargetModel, folder: Path, dtype: torch.dtype) -> int:
-    """Swap in the native weights a GGUF conversion wrote beside the dense ones (gguf.INT4_FILE), each
-    linear on the kernel its tensors' kinds take (models/native.py: Q4_0/Q4_1 as int4, Q4_K on w4a8's
-    super-block form, Q8_0/Q6_K/Q5_* on w8a8's general form, all in their exact values; int4 scales
-    rounded to `dtype`); an output layer not native runs on augury's w8a8 kernel (Q8_0's rule,
-    quant.w8a8_output_layer) or fbgemm's float16 GEMM (models/dense.packed_output_layer) where they
-    serve, and a Q8_0 one without them as int8 per channel; anything else stays dense, named in one
-    warning. Returns how many linears run natively."""
-    from augury.models import native, quant
-
-    index = json.loads((folder / INT4_INDEX).read_text())
-    if index.get("format") not in quant.INT4_FORMATS or index.get("group_size") != quant.INT4_GROUP:
-        raise ValueError(f"{folder / INT4_INDEX}: format {index.get('format')!r}, group {index.get('group_size')!r} "
-                         f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
-    kinds: dict[str, str] = index.get("kinds") or {n: "int4" for n in index.get("int4", [])}
-    sources = index.get("source_types", {})
-    device = model.embed_tokens.weight.device
-    shard = model.shard
-    # a tensor-parallel rank reads its part of each source tensor (whole groups of 32 along the input)
-    parts = {n: shard_part(n, model.full_cfg, shard) for names in fused_linears(model).values() for n in names} \
-        if shard is not None else {}
-    count, dense_left = 0, {}
-    with safe_open(str(folder / INT4_FILE), framework="pt") as f:
-        stored = set(f.keys())
-
-        def read(n: str) -> dict[str, torch.Tensor]:
-            kind, part = kinds[n], parts.get(n)
-            g = quant.INT4_GROUP
-            out = {k: _read_part(f, f"{n}.{k}", part, per) for k, per in
-                   (("codes", 2 if kind in ("int4", "q4k", "q5k") else 1), ("scale", g), ("zero", g),
-                    ("sub", g // 2), ("d", 8 * g), ("dmin", 8 * g), ("sc", g), ("m", g), ("high", 8))
-                   if f"{n}.{k}" in stored}
-            if kind in ("int4", "q4k", "q5k"):
-                out["codes"] = quant.unpack_codes(out["codes"])
-            if "high" in out:  # Q5_K's fifth bits, eight a byte
-                bits = np.unpackbits(out.pop("high").numpy(), axis=1, bitorder="little")
-                out["codes"] = out["codes"] | (torch.from_numpy(bits.astype(np.int32)) << 4)
-            return out
-
-        for path, names in fused_linears(model).items():
-            # tied and not yet given its own copy: the output layer reads the embedding
-            dense = model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
-            new: torch.nn.Module | None = None
-            # whole groups of 32 along the input (of 256 for Q4_K's super-blocks)
-            whole_groups = all(p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
-                               ((parts.get(n), 256 if kinds.get(n) in ("q4k", "q5k", "q6k") else quant.INT4_GROUP) for n in names))
-            part_kinds = [kinds.get(n, "dense") for n in names]
-            output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
-            if whole_groups and not output_q8 and native.plan(part_kinds) is not None:
-                blocks = [read(n) for n in names]
-                got = (sum(b["codes"].shape[0] for b in blocks), blocks[0]["codes"].shape[1])
-                if got != tuple(dense.weight.shape):
-                    raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(got)}, "
-                                     f"expected {list(dense.weight.shape)}")
-                # packed where it runs, for the kernel the dtype and device choose
-                new = native.build(part_kinds, blocks, getattr(dense, "bias", None), dtype, device)
-                count += new is not None
-            elif output_q8 and whole_groups and part_kinds[0] in ("q8g", "q4k", "q5k", "q6k") and \
-                    (exact := native.output_layer(part_kinds[0], read(names[0]), dtype, device)) is not None:
-                new = exact  # Q8_0 as it is; Q6_K / Q5_* requantised from their exact values
-                count += sources.get(names[0]) == "Q8_0"
-            elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
-                                        or packed_output_layer(dense, dtype, device)) is not None:
-                new = packed
-            elif all(sources.get(n) == "Q8_0" for n in names) and quant.int8_available(device):
-                new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype)
-            if new is not None:
-                parent, _, attr = path.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, attr, new.to(device))
-            elif any(sources.get(n, "F32") not in ("F32", "F16", "BF16") for n in names):
-                dense_left[path] = "/".join(sorted({sources.get(n, "?") for n in names}))
-    if dense_left:
-        why = "no native kernel for the type here" if dtype == torch.bfloat16 and device.type == "cpu" else \
-            f"native GGUF kernels run bfloat16 on the CPU, not {dtype} on {device.type}"
-        log.warning("GGUF linears running dense (%s): %s", why,
-                    ", ".join(f"{p} ({t})" for p, t in dense_left.items()))
-    return count
-
-
 def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype,
                          device: torch.device | str = "cpu") -> str:
     """The mode a target loads in on `device`. A GGUF conversion's native int4 weights ("gguf-int4")
@@ -353,18 +413,27 @@ def load_target(
     mode = resolve_quantization(folder, quantization, dtype, device)  # before the weights: fails fast
     with torch.device("meta"):
         model = TargetModel(cfg, max_len=1, shard=shard, tp=tp)
-    model = model.to_empty(device=device).to(dtype)
     model.rotary = Rotary(cfg.rope, cfg.head_dim, max_len).to(device)
     # A tied model may still carry lm_head.weight (a copy of the embedding); it is unused.
-    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    if shard is None:
-        copy_strict(target_weight_map(model), read_tensors(folder), f"target checkpoint {folder}", optional)
-    else:
-        copy_sharded(target_weight_map(model), folder, cfg, shard, f"target checkpoint {folder}", optional)
+    optional: tuple[str, ...] = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    where = f"target checkpoint {folder}"
+    plan = None
+    with Checkpoint(folder) as checkpoint:  # each tensor read when copied: no second copy of the weights
+        if mode == "gguf-int4":  # the native linears first, each from the side file into its kernel's layout
+            from augury.models import native_load
+
+            plan = native_load.swap_in(model, folder, dtype, device, lambda n: checkpoint.part(
+                n, None if shard is None else shard_part(n, cfg, shard)))
+            optional += tuple(sorted(plan.covered))
+        materialise(model, device, dtype)  # what is left: embedding, norms, linears not native
+        if shard is None:
+            copy_strict(target_weight_map(model), checkpoint, where, optional)
+        else:
+            copy_sharded(target_weight_map(model), folder, cfg, shard, where, optional)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
-    if mode == "gguf-int4":
-        load_native_int4(model, folder, dtype)
+    if plan is not None:
+        native_load.finish(model, plan, dtype, device)
         model.quantization = "int4"
     else:
         from augury.models.quant import quantize_model

@@ -35,7 +35,8 @@ from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
 from augury.models.fused import KernelModule, linear_fields
-from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8OutputLinear, _QuantLinear
+from augury.models.quant import (INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8OutputLinear, _QuantLinear,
+                                 pack_output_rows)
 
 log = logging.getLogger(__name__)
 
@@ -402,10 +403,14 @@ def output_layer(kind: str, part: Part, dtype: torch.dtype, device: torch.device
         s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
         packed = kernel.pack_codes(c, s)[:2]
         return W8A8OutputLinear(shape, kernel, packed)  # type: ignore[arg-type]
-    w = part["scale"].float().repeat_interleave(INT4_GROUP, dim=1)
-    if part.get("sub") is not None:
-        w = w * part["sub"].float().repeat_interleave(INT4_GROUP // 2, dim=1)
-    w = w * codes.float()
-    if part.get("zero") is not None:
-        w = w + part["zero"].float().repeat_interleave(INT4_GROUP, dim=1)
-    return W8A8OutputLinear(w, kernel)
+
+    def rows(a: int, b: int) -> torch.Tensor:  # the exact float32 values of rows a..b-1
+        w = part["scale"][a:b].float().repeat_interleave(INT4_GROUP, dim=1)
+        if part.get("sub") is not None:
+            w = w * part["sub"][a:b].float().repeat_interleave(INT4_GROUP // 2, dim=1)
+        w = w * codes[a:b].float()
+        if part.get("zero") is not None:
+            w = w + part["zero"][a:b].float().repeat_interleave(INT4_GROUP, dim=1)
+        return w
+
+    return W8A8OutputLinear(shape, kernel, pack_output_rows(kernel, rows, n, k))  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ rows bit for bit and no second copy of the weights is held.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -303,7 +304,8 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         already made (a GGUF Q8_0 tensor as it is: W8A8.pack_codes)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        codes, scale = packed if packed is not None else kernel.pack(weight)
+        codes, scale = packed if packed is not None else \
+            pack_output_rows(kernel, lambda a, b: weight[a:b], *weight.shape)
         self.register_buffer("codes", codes)  # [ceil(N / 16), K / 32, 512] int8: panels of 16 columns
         self.register_buffer("scale", scale)  # [ceil(N / 16), K / 32, 16] float32
         self.bias = None
@@ -330,6 +332,24 @@ class W8A8OutputLinear(KernelModule, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
+OUTPUT_PACK_ROWS = 4096  # rows quantised at a time (a multiple of 16): one chunk's float32 temporaries
+
+
+def pack_output_rows(kernel: cpu_kernels.W8A8, rows: Callable[[int, int], torch.Tensor], n: int,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8.pack of an [n, k] weight given by `rows(a, b)` (its rows a..b-1, any float dtype), a chunk of
+    OUTPUT_PACK_ROWS rows at a time, into the panels made once: the same bits as packing it whole
+    (every group's scale and codes are its own row's), without a float32 copy of the whole weight."""
+    p, g = -(-n // INT4_N_MULTIPLE), k // INT4_GROUP
+    codes = torch.empty(p, g, 8 * INT4_N_MULTIPLE * 4, dtype=torch.int8)
+    scale = torch.empty(p, g, INT4_N_MULTIPLE, dtype=torch.float32)
+    for a in range(0, n, OUTPUT_PACK_ROWS):
+        c, s = kernel.pack(rows(a, min(n, a + OUTPUT_PACK_ROWS)))
+        codes[a // INT4_N_MULTIPLE: a // INT4_N_MULTIPLE + c.shape[0]] = c
+        scale[a // INT4_N_MULTIPLE: a // INT4_N_MULTIPLE + s.shape[0]] = s
+    return codes, scale
 
 
 def w8a8_output_layer(layer: nn.Module, dtype: torch.dtype, device: torch.device) -> W8A8OutputLinear | None:

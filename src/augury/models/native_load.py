@@ -1,0 +1,187 @@
+"""A GGUF conversion's native linears, each read once from the side file into its kernel's layout.
+
+models/loader.load_target builds the target on the meta device, then `swap_in` builds every linear
+the side file (gguf.INT4_FILE) can run natively, one at a time: its tensors' blocks read from the
+file's mmap (this rank's part under tensor parallelism), packed for its kernel (models/native.py),
+put in the model's place; only the temporaries of one linear live beside the weights built so far.
+No dense copy of those linears is ever made: the loader then materialises and copies only what is
+left (embedding, norms, linears with no native kind), and `finish` gives those linears their
+fallbacks (the output layer on the w8a8 kernel or fbgemm, Q8_0 as int8 per channel), which need
+the dense weights. The codes travel as uint8 (a byte a code) until packed.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from augury.models import native, quant
+from augury.models.dense import packed_output_layer
+from augury.models.llama import TargetModel
+from augury.models.loader import TensorFile, fused_linears, shard_part
+from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
+
+log = logging.getLogger(__name__)
+_FLOAT_SOURCES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class NativePlan:
+    """What swap_in did: the checkpoint names the native linears hold (the dense copy skips them), the
+    linears left to finish() (path -> their checkpoint names), how many run natively so far."""
+
+    sources: dict[str, str]
+    covered: set[str] = field(default_factory=set)
+    left: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tried: set[str] = field(default_factory=set)  # left paths whose native build was tried: no fallback
+    count: int = 0
+
+
+def read_index(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(kind of each native tensor, GGUF type of every tensor) from the conversion's index."""
+    index = json.loads((folder / INT4_INDEX).read_text())
+    if index.get("format") not in quant.INT4_FORMATS or index.get("group_size") != quant.INT4_GROUP:
+        raise ValueError(f"{folder / INT4_INDEX}: format {index.get('format')!r}, group {index.get('group_size')!r} "
+                         f"is not {INT4_FORMAT!r} with groups of {quant.INT4_GROUP}")
+    kinds: dict[str, str] = index.get("kinds") or {n: "int4" for n in index.get("int4", [])}
+    return kinds, index.get("source_types", {})
+
+
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K/2] uint8 (INT4_FILE's layout: column 2i the low nibble, 2i+1 the high) -> [N, K] uint8."""
+    c = codes.numpy()
+    return torch.from_numpy(np.stack((c & 0x0F, c >> 4), axis=-1).reshape(c.shape[0], -1))
+
+
+def _read_parts(f: TensorFile, stored: set[str], name: str, kind: str, part) -> dict[str, torch.Tensor]:
+    """One tensor's native parts from the open side file (codes unpacked, a byte a code)."""
+    g = quant.INT4_GROUP
+    out = {k: f.part(f"{name}.{k}", part, per) for k, per in
+           (("codes", 2 if kind in ("int4", "q4k", "q5k") else 1), ("scale", g), ("zero", g),
+            ("sub", g // 2), ("d", 8 * g), ("dmin", 8 * g), ("sc", g), ("m", g), ("high", 8))
+           if f"{name}.{k}" in stored}
+    if kind in ("int4", "q4k", "q5k"):
+        out["codes"] = unpack_nibbles(out["codes"])
+    if "high" in out:  # Q5_K's fifth bits, eight a byte
+        bits = np.unpackbits(out.pop("high").numpy(), axis=1, bitorder="little")
+        out["codes"] |= torch.from_numpy(bits) << 4
+    return out
+
+
+_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
+
+
+def release_freed_memory() -> None:
+    """Hands the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Freed
+    temporaries under glibc's mmap threshold (which grows to 32 MiB once a larger block is freed) stay
+    in the heap, and a load's mix of sizes leaves ~150 MiB of them resident on a 1B model."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+def _put(model: TargetModel, path: str, new: torch.nn.Module, device: torch.device) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new.to(device))
+
+
+def _dense_module(model: TargetModel, path: str) -> torch.nn.Module:
+    # tied and not yet given its own copy: the output layer reads the embedding
+    return model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
+
+
+def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.device,
+            read_dense: Callable[[str], torch.Tensor]) -> NativePlan:
+    """Builds each linear the side file runs natively and puts it in `model` (still on the meta device
+    elsewhere): Q4_0/Q4_1 as int4, Q4_K on w4a8's super-block form, Q8_0/Q6_K/Q5_* on w8a8's forms,
+    all in their exact values (int4 scales rounded to `dtype`); an output layer of those kinds other
+    than Q4 on the w8a8 kernel (Q8_0 as it is, the others requantised by Q8_0's rule). `read_dense`
+    reads a checkpoint tensor (this rank's part) for the biases."""
+    kinds, sources = read_index(folder)
+    plan = NativePlan(sources)
+    shard = model.shard
+    tied = model.lm_head is None
+    with TensorFile(folder / INT4_FILE) as f:
+        stored = set(f.keys())
+
+        def read(n: str) -> dict[str, torch.Tensor]:
+            return _read_parts(f, stored, n, kinds[n], None if shard is None else shard_part(n, model.full_cfg, shard))
+
+        linears = fused_linears(model)
+        # the output layer first: its temporaries (the whole vocabulary's codes) beside the fewest weights
+        for path in ["lm_head", *(p for p in linears if p != "lm_head")]:
+            names = linears[path]
+            dense = _dense_module(model, path)
+            part_kinds = [kinds.get(n, "dense") for n in names]
+            # a tensor-parallel rank's part holds whole groups of 32 along the input (of 256 for the K-quants)
+            whole = shard is None or all(
+                p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
+                ((shard_part(n, model.full_cfg, shard), 256 if kinds.get(n) in ("q4k", "q5k", "q6k") else
+                  quant.INT4_GROUP) for n in names))
+            output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
+            new = None
+            if whole and not output_q8 and native.plan(part_kinds) is not None:
+                blocks = [read(n) for n in names]
+                got = (sum(b["codes"].shape[0] for b in blocks), blocks[0]["codes"].shape[1])
+                if got != tuple(dense.weight.shape):
+                    raise ValueError(f"{folder / INT4_FILE}: {', '.join(names)} give {list(got)}, "
+                                     f"expected {list(dense.weight.shape)}")
+                biases = [n.removesuffix("weight") + "bias" for n in names] \
+                    if getattr(dense, "bias", None) is not None else []
+                bias = torch.cat([read_dense(b) for b in biases]) if biases else None
+                if bias is not None and bias.shape != dense.bias.shape:
+                    raise ValueError(f"{folder}: {', '.join(biases)} give {list(bias.shape)}, "
+                                     f"expected {list(dense.bias.shape)}")
+                new = native.build(part_kinds, blocks, bias, dtype, device)
+                del blocks
+                if new is None:
+                    plan.tried.add(path)
+                else:
+                    plan.covered.update(biases)
+                    plan.count += 1
+            elif output_q8 and whole and part_kinds[0] in ("q8g", "q4k", "q5k", "q6k"):
+                new = native.output_layer(part_kinds[0], read(names[0]), dtype, device)
+                plan.count += new is not None and sources.get(names[0]) == "Q8_0"
+            release_freed_memory()
+            if new is None:
+                plan.left[path] = names
+                continue
+            _put(model, path, new, device)
+            if not (path == "lm_head" and tied):  # a tied model still looks its tokens up in the embedding
+                plan.covered.update(names)
+    return plan
+
+
+def finish(model: TargetModel, plan: NativePlan, dtype: torch.dtype, device: torch.device) -> int:
+    """After the dense tensors are in: the linears swap_in left, on a fallback where one serves (the
+    output layer on augury's w8a8 kernel, Q8_0's rule, or fbgemm's float16 GEMM; Q8_0 linears as int8
+    per channel); any other quantised one stays dense, named in one warning. Returns how many linears
+    run natively."""
+    dense_left: dict[str, str] = {}
+    for path, names in plan.left.items():
+        dense = _dense_module(model, path)
+        new = None
+        if path in plan.tried:
+            pass  # its kind runs natively, but not here (dtype, device): dense, as it is
+        elif path == "lm_head" and (packed := quant.w8a8_output_layer(dense, dtype, device)
+                                    or packed_output_layer(dense, dtype, device)) is not None:
+            new = packed
+        elif all(plan.sources.get(n) == "Q8_0" for n in names) and quant.int8_available(device):
+            new = quant.Int8Linear.from_float(dense.weight, getattr(dense, "bias", None), dtype)
+        if new is not None:
+            _put(model, path, new, device)
+        elif any(plan.sources.get(n, "F32") not in _FLOAT_SOURCES for n in names):
+            dense_left[path] = "/".join(sorted({plan.sources.get(n, "?") for n in names}))
+    if dense_left:
+        why = "no native kernel for the type here" if dtype == torch.bfloat16 and device.type == "cpu" else \
+            f"native GGUF kernels run bfloat16 on the CPU, not {dtype} on {device.type}"
+        log.warning("GGUF linears running dense (%s): %s", why,
+                    ", ".join(f"{p} ({t})" for p, t in dense_left.items()))
+    model._fused = None  # new linears: models/fused.py builds its table again
+    return plan.count
