@@ -193,11 +193,39 @@ def llama_cpp(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _level_hooks(proposer, mark) -> None:
+    """Call mark() as each draft level after the first starts and as the last one ends: the proposer's level
+    objects (speculative/eagle3_proposer.py's _KernelLevels on the head kernel, _TorchLevels on the torch
+    head) where it has them, else at the head's logits calls (one a level). The bench's own instrumentation
+    of another module's internals: where neither exists, levels are not split (the draft's total stays)."""
+    import sys
+
+    module = sys.modules[type(proposer).__module__]
+    classes = [getattr(module, n) for n in ("_KernelLevels", "_TorchLevels") if hasattr(module, n)]
+    for cls in classes:
+        real = cls.step
+
+        def step(self, *args, _real=real, **kwargs):
+            mark()
+            out = _real(self, *args, **kwargs)
+            mark(last=True)
+            return out
+        cls.step = step
+    if not classes:
+        real_logits = proposer.head.logits
+
+        def logits(*args, **kwargs):
+            out = real_logits(*args, **kwargs)
+            mark()
+            return out
+        proposer.head.logits = logits
+
+
 def spec(job: dict[str, Any]) -> dict[str, Any]:
     """One request at a time through a static EAGLE-3 tree (the random head's drafts are all rejected, so
-    every step drafts the whole tree and verifies all its rows): each step's draft split by level at the
-    head's logits calls (level 1 also catches the head up on the tokens the last step committed), and the
-    step's rest; steps that caught up on a whole prompt are left out."""
+    every step drafts the whole tree and verifies all its rows): each step's draft split by level
+    (_level_hooks; level 1 also catches the head up on the tokens the last step committed), and the step's
+    rest; steps that caught up on a whole prompt are left out."""
     from augury.bench.rows import time_rows
 
     steps, topk, nodes = job["shape"]
@@ -206,15 +234,17 @@ def spec(job: dict[str, Any]) -> dict[str, Any]:
                       speculative_ngram_branch=0, speculative_suffix_cache_tokens=0)
     speculator = llm.engine.speculator
     proposer = speculator.proposer
-    marks: list[float] = []
+    marks: list[float] = []  # a level's start (its end for the last level; the logits' return in the fallback)
     records: list[dict[str, Any]] = []
 
-    def timed_logits(real):
-        def logits(*args, **kwargs):
-            out = real(*args, **kwargs)
-            marks.append(time.perf_counter())
-            return out
-        return logits
+    def mark(last: bool = False) -> None:
+        now = time.perf_counter()
+        if last:  # the end of a level hook: kept only as the last level's end (overwritten by the next start)
+            marks.append(-now)
+            return
+        if marks and marks[-1] < 0:
+            marks.pop()
+        marks.append(now)
 
     def timed_propose(real):
         def propose(host, reqs, shape):
@@ -222,8 +252,9 @@ def spec(job: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             tree = real(host, reqs, shape)
             end = time.perf_counter()
-            points = [t0, *marks[:steps]]
-            records[-1]["levels"] = [b - a for a, b in zip(points, points[1:])]
+            points = [t0, *(abs(m) for m in marks)]
+            levels = [b - a for a, b in zip(points, points[1:])] if steps > 1 else [end - t0]
+            records[-1]["levels"] = levels if len(levels) == steps else None
             records[-1]["draft"] = end - t0
             return tree
         return propose
@@ -238,8 +269,7 @@ def spec(job: dict[str, Any]) -> dict[str, Any]:
             return done
         return step
 
-    head = proposer.head
-    head.logits = timed_logits(head.logits)
+    _level_hooks(proposer, mark)
     proposer.propose = timed_propose(proposer.propose)
     speculator.step = timed_step(speculator.step)
     prompts = _prompts(1, job["prompt_len"], job["vocab"], job["seed"])
@@ -247,18 +277,18 @@ def spec(job: dict[str, Any]) -> dict[str, Any]:
     records.clear()
     for _ in range(job["repeats"]):
         _generate(llm, prompts, job["output_len"])
-    kept = [r for r in records if not r["first"] and "draft" in r and len(r["levels"]) == steps]
+    kept = [r for r in records if not r["first"] and "draft" in r]
     if not kept:
         raise RuntimeError("no speculative step was timed")
+    split = [r["levels"] for r in kept if r["levels"] is not None]
     rows = time_rows(llm, job["context"], (1, nodes + 1), job["row_repeats"], job["row_inner"], job["row_warmup"])
-    ms = 1e3
 
     def med(values):
-        return statistics.median(values) * ms
+        return statistics.median(values) * 1e3
 
     return {"shape": [steps, topk, nodes], "steps_timed": len(kept), "decode_ms": rows["decode_ms"],
             "verify_rows_ratio": rows["ratio"][nodes + 1],
-            "levels_ms": [med([r["levels"][i] for r in kept]) for i in range(steps)],
+            "levels_ms": [med([lv[i] for lv in split]) for i in range(steps)] if split else None,
             "draft_ms": med([r["draft"] for r in kept]),
             "rest_ms": med([r["step"] - r["draft"] for r in kept]),
             "step_ms": med([r["step"] for r in kept])} | memory()
