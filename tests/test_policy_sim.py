@@ -3,7 +3,7 @@ requests accept drafts at their own rates, and the policy is fed exactly what th
 (plan, then observe / observe_plain with the step's seconds; steps that caught the head up on a
 backlog untimed). Properties, each over a whole run:
 
-- after convergence at most 5% of request-steps are in the losing arm (drafting where plain decoding
+- after convergence at most 5% of the time is spent in the losing arm (drafting where plain decoding
   is faster by CLEAR or more, or the reverse), with +-30% noise on every step time;
 - convergence within CONVERGE steps of a batch size's first step;
 - after a regime change mid-run (verification turns cheap or dear) the policy follows within
@@ -23,12 +23,15 @@ import pytest
 from augury.core.request import Request
 from augury.sampling_params import SamplingParams
 from augury.speculative.adaptive import AdaptivePolicy
-from augury.speculative.arms import MAX_SPACING, PROBE_STEPS
+from augury.speculative.adaptive import EXPLORE_SHARE, PROBE_STEPS
 from augury.speculative.policy import StaticPolicy, TreeShape
 
 TREE, CHAIN = TreeShape(3, 4, 8), TreeShape(4, 1, 5)
 CONVERGE = 200  # steps of a batch size after which the losing arm gets at most 5% of steps (two probes)
-RECOVER = MAX_SPACING + 2 * PROBE_STEPS + CONVERGE  # steps after a regime change before it holds again
+# steps after a regime change before it holds again: a losing arm is re-measured once the credit
+# (EXPLORE_SHARE of the time) covers a re-measurement's loss; at most ~80 plain steps' worth here (DEAR at
+# batch 32), repeated within 80 / EXPLORE_SHARE steps
+RECOVER = int(80 / EXPLORE_SHARE) + 2 * PROBE_STEPS + CONVERGE
 NOISE = 0.3
 CATCH_UP_WINDOW = 128  # most tokens a request's head catches up on (the worker's window)
 CLEAR = 1.25  # a gap between the arms' goodputs from which one of them is the losing arm
@@ -147,6 +150,12 @@ class Sim:
         steps = self.log[start:end]
         return sum(d for d, _, _ in steps) / len(steps)
 
+    def drafted_time(self, start: int, end: int | None = None) -> float:
+        """The share of the time spent in steps that drafted (a step where half the rows draft counts
+        half): the time each arm took, which is what exploring an arm costs."""
+        steps = self.log[start:end]
+        return sum(d * s for d, _, s in steps) / sum(s for _, _, s in steps)
+
     def goodput(self, start: int = 0, end: int | None = None) -> float:
         steps = self.log[start:end]
         return sum(k for _, k, _ in steps) / sum(s for _, _, s in steps)
@@ -183,7 +192,7 @@ def test_converges_to_the_winning_arm(shape, cost, batch, rate):
     plain_g, static_g = baselines(shape, batch, [rate], cost, 1500, seed=batch)
     sim = Sim(shape, batch, [rate], seed=batch)
     sim.run(1500, cost)
-    share = sim.drafted_share(CONVERGE)
+    share = sim.drafted_time(CONVERGE)
     wins = winner(plain_g, static_g)
     if wins is not None:
         assert (1 - share if wins else share) <= 0.05, (share, plain_g, static_g)
@@ -200,7 +209,7 @@ def test_recovers_after_a_regime_change(shape, before, after, batch):
     sim.run(1500, before)
     sim.run(RECOVER + 1000, after)
     plain_g, static_g = baselines(shape, batch, [0.7], after, 1000, seed=3)
-    share = sim.drafted_share(1500 + RECOVER)
+    share = sim.drafted_time(1500 + RECOVER)
     wins = winner(plain_g, static_g)
     if wins is not None:
         assert (1 - share if wins else share) <= 0.05, share
@@ -210,15 +219,17 @@ def test_recovers_after_a_regime_change(shape, before, after, batch):
 def test_mixed_acceptance_leaves_low_requests_out():
     """Half the batch accepts each level with probability 0.85 (a copy), half with 0.05 (free text at
     temperature 1): the first half drafts nearly every step, the second nearly never. (A request is
-    judged on its first few draws, so a copy with an unlucky start may sit out a few steps before
-    its retry brings it back; free text is retried ever more rarely.)"""
+    judged on its first few draws, so a copy with an unlucky start sits out until its retry brings it
+    back, sooner the fewer draws it was judged on, and no sooner than the exploration credit allows:
+    nine in ten copies draft 70% of their steps or more; the unluckiest, three rejections in a row at
+    its start while a re-measurement of plain decoding had spent the credit, 10%.)"""
     sim = Sim(TREE, 8, [0.85, 0.05], seed=1, life=200)
     sim.run(2000, CHEAP)
     done = [s for s in sim.retired if s.born >= CONVERGE]
     high = [s.drafted / s.steps for s in done if s.rate > 0.5]
     low = [s.drafted / s.steps for s in done if s.rate < 0.5]
     assert len(high) >= 20 and len(low) >= 8
-    assert sum(high) / len(high) >= 0.93 and min(high) >= 0.7, high
+    assert sum(high) / len(high) >= 0.93 and sorted(high)[len(high) // 10] >= 0.7, sorted(high)[:12]
     assert sum(low) / len(low) <= 0.07 and max(low) <= 0.15, low
 
 

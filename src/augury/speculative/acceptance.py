@@ -1,16 +1,23 @@
-"""What the adaptive policy knows of acceptance: the batch's and each request's own.
+"""What the adaptive policy knows of acceptance, by source: the proposer's own drafts per depth (the
+batch's and each request's), the lookup branch grafted onto a head's tree, and suffix drafts verified
+alone (against the drafter's own score). Forced tokens are none of these: the policy counts them per
+option as they come (adaptive.py), since a grammar drafts them whatever it decides.
 
-Per depth i, the conditional rate P(accept i | accepted i - 1), as decayed counts (KEEP per step
-that observes the depth) over a conservative prior (PRIOR_RATE, or lower where the head's config
-measured lower, worth PRIOR_WEIGHT observations); beyond the shape's depth (a grafted prompt-lookup
-branch), the mean extra accepted. Each request keeps its own decayed counts (OWN_KEEP per own
-observation), shrunk towards the batch's rates by empirical Bayes: the pseudo-count p(1-p)/tau^2
-with tau^2 the variance of the first level's rate between requests, learned from the requests
-planned each step, so requests that accept alike keep the batch's rates whatever their few draws
-say and a copy beside free text soon has its own; deeper levels a request has seen little of are
-shrunk towards the batch's scaled as its own first level compares. A request's record also holds
-its retry schedule (the adaptive policy's; `_Own.due`). Records live in a WeakKeyDictionary keyed
-by the request and go with it.
+Proposer drafts: per depth i, the conditional rate P(accept i | accepted i - 1), as decayed counts
+(KEEP per step that observes the depth) over a conservative prior (PRIOR_RATE, or lower where the
+head's config measured lower, worth PRIOR_WEIGHT observations). Each request keeps its own decayed
+counts (KEEP per own observation), shrunk towards the batch's rates by empirical Bayes: the
+pseudo-count p(1-p)/tau^2 with tau^2 the variance of the first level's rate between requests,
+learned from the requests planned each step, so requests that accept alike keep the batch's rates
+whatever their few draws say and a copy beside free text soon has its own; deeper levels a request
+has seen little of are shrunk towards the batch's scaled as its own first level compares.
+
+Lookup branch (a hybrid row: the head's tree with a suffix draft grafted on): the lookup drafts it
+got accepted, per row that drafted the whole shape, the batch's and each request's own (shrunk
+alike). Suffix drafts verified alone: accepted over the drafter's score (its own estimate of the
+tokens a draft yields), decayed, from a prior of 1 (the score taken at its word).
+
+Records live in a WeakKeyDictionary keyed by the request and go with it.
 """
 from __future__ import annotations
 
@@ -20,34 +27,31 @@ from collections.abc import Sequence
 from augury.core.request import Request
 from augury.speculative.policy import TreeShape
 
-PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # prior conditional acceptance per depth and its pseudo-count
-KEEP = 0.95  # weight the batch-level counts keep at each step that observes them (the last ~20 steps)
-SPREAD_PRIOR = 0.04  # prior variance of the first level's acceptance between requests (sd 0.2)
-SPREAD_EMA = 0.05  # weight of each step's estimate of that variance
-SPREAD_MIN_SEEN = 3.0  # a request's observations before its rate counts in that variance
-SHRINK_MIN, SHRINK_MAX = 0.25, 200.0  # bounds of the pseudo-count a request's own rate is shrunk with
-OWN_KEEP = 0.95  # weight a request's own counts keep at each of its observations (its last ~20 steps)
-OPTIMISTIC_RATE = 0.75  # per level, the guess a request is tried again with
-REQ_BACKOFF, REQ_MAX_BACKOFF = 4, 128  # a left-out request's steps before it is tried again (doubling)
+# a first draft of an unseen head on unseen text is accepted about half the time or less (the demo's head
+# on held-out chats: 0.4-0.6); starting no higher keeps a fresh policy from drafting on hope
+PRIOR_RATE = 0.5
+PRIOR_WEIGHT = 2.0  # the prior is worth two observations: a request's first few drafts outweigh it
+KEEP = 0.95  # weight counts keep per observing step: the last ~20 steps (1 / (1 - KEEP)), a request's phase
+SPREAD_PRIOR = 0.04  # prior variance of the first level's rate between requests (sd 0.2: chats differ that much)
+SPREAD_MIN_SEEN = 3.0  # a request's own rate counts in that variance once it has this many draws (fewer: noise)
+# bounds of the pseudo-count a request's own rate is shrunk with: at least a quarter of an observation (its
+# own draws decide soon), at most 200 (requests alike: ten of its own steps' draws barely move it)
+SHRINK_MIN, SHRINK_MAX = 0.25, 200.0
 
-Expected = tuple[list[float], float]  # (E(d) for d = 0..S, extra accepted past depth S when drafting it whole)
+Expected = tuple[list[float], float]  # (E(d) for d = 0..S, the lookup branch's extra when drafting it whole)
 
 
 class _Own:
-    """One request's own record: decayed per-depth counts and its retry schedule."""
+    """One request's own record: decayed per-depth counts, its lookup branch's yield, and when it last
+    drafted (the exploration rule's age of its record, adaptive.py)."""
 
-    __slots__ = ("acc", "off", "tail", "tail_n", "steps", "retry_at", "backoff")
+    __slots__ = ("acc", "off", "tail", "tail_n", "last")
 
     def __init__(self, depths: int) -> None:
         self.acc = [0.0] * depths
         self.off = [0.0] * depths
         self.tail, self.tail_n = 0.0, 0.0
-        self.steps = 0  # decisions it took part in
-        self.retry_at: int | None = 0  # step from which it is tried optimistically (0: a new request)
-        self.backoff = REQ_BACKOFF
-
-    def due(self) -> bool:
-        return self.retry_at is not None and self.steps >= self.retry_at
+        self.last: int | None = None  # policy step of its last drafting step (None: never drafted)
 
 
 class Acceptance:
@@ -60,10 +64,11 @@ class Acceptance:
         rates = [PRIOR_RATE] * shape.num_steps
         for i, p in enumerate((prior or [])[: shape.num_steps]):
             prev = prior[i - 1] if i else 1.0
-            rates[i] = min(max(p / prev if prev > 0 else 0.0, 0.02), PRIOR_RATE)
+            rates[i] = min(p / prev if prev > 0 else 0.0, PRIOR_RATE)
         self.acc = [r * PRIOR_WEIGHT for r in rates]
         self.off = [PRIOR_WEIGHT] * shape.num_steps
-        self.tail, self.tail_n = 0.0, PRIOR_WEIGHT  # extra accepted past depth S, decayed sum and count
+        self.tail, self.tail_n = 0.0, PRIOR_WEIGHT  # lookup branch: accepted per whole row, decayed sum and count
+        self.suffix_got, self.suffix_score = PRIOR_WEIGHT, PRIOR_WEIGHT  # suffix alone: accepted / score
         self.spread = SPREAD_PRIOR  # variance of the first level's rate between requests
         self.own: weakref.WeakKeyDictionary[Request, _Own] = weakref.WeakKeyDictionary()
 
@@ -74,24 +79,25 @@ class Acceptance:
     def tail_mean(self) -> float:
         return self.tail / self.tail_n
 
+    def suffix_yield(self, score: float) -> float:
+        """Expected accepted tokens of a suffix draft verified alone, from its score (calibrated)."""
+        return score * self.suffix_got / self.suffix_score
+
     def expected_accepted(self, depth: int) -> float:
-        """E(depth) at the batch-level rates (past the shape's depth not included)."""
+        """E(depth) at the batch-level rates (the lookup branch not included)."""
         return _expected(self.rates(), 0.0)[0][depth]
 
     def shrink(self) -> float:
         """The pseudo-count at the batch's rates a request's own counts are shrunk with: p(1-p) / tau^2,
         p the first level's rate and tau^2 the variance of it between requests (measured at the first
-        level, where every drafting request is observed; deeper ones see a selection). Requests that
-        all accept alike (tau^2 ~ 0) keep the batch's rates, whatever their own few draws say;
-        requests that differ (a copy beside free text) soon have their own."""
+        level, where every drafting request is observed; deeper ones see a selection)."""
         p = self.rates()[0]
         return min(max(p * (1 - p) / max(self.spread, 1e-6), SHRINK_MIN), SHRINK_MAX)
 
     def request_rates(self, req: Request) -> list[float]:
         """req's conditional acceptance per depth: its own counts shrunk towards the batch-level
         rates (exactly those before it has drafted); deeper than its first level, towards the batch's
-        rate scaled as its own first level compares with the batch's (a request that rejects its first
-        drafts more than the batch likely rejects its later ones more too)."""
+        rate scaled as its own first level compares with the batch's (never to certainty)."""
         rates = self.rates()
         own = self.own.get(req)
         if own is None:
@@ -99,34 +105,30 @@ class Acceptance:
         k, out = self.shrink(), []
         for i, (a, o, g) in enumerate(zip(own.acc, own.off, rates)):
             if i:
-                g = min(g * out[0] / max(rates[0], 1e-6), 0.98)
+                g = min(g * out[0] / max(rates[0], 1e-6), 1.0)
             out.append((a + k * g) / (o + k))
         return out
 
     def _learn_spread(self, owns: list[_Own | None]) -> None:
         """Method of moments over this batch's requests at the first level: tau^2 ~ mean of
-        (r_j - p)^2 - p(1-p)/n_j (the spread of their own rates less what sampling alone spreads them by)."""
+        (r_j - p)^2 - p(1-p)/n_j (the spread of their own rates less what sampling alone spreads them by),
+        averaged over steps with the counts' memory (KEEP)."""
         p = self.rates()[0]
         got = [(o.acc[0] / o.off[0], o.off[0]) for o in owns if o is not None and o.off[0] >= SPREAD_MIN_SEEN]
         if len(got) >= 2:
             est = sum((r - p) ** 2 - p * (1 - p) / n for r, n in got) / len(got)
-            self.spread = (1 - SPREAD_EMA) * self.spread + SPREAD_EMA * max(est, 0.0)
+            self.spread = KEEP * self.spread + (1 - KEEP) * max(est, 0.0)
 
     def request_expected(self, req: Request) -> list[float]:
         """E_r(d), d = 0..S: req's expected accepted drafts when offered d levels."""
         return _expected(self.request_rates(req), 0.0)[0]
 
     def _request(self, req: Request) -> Expected:
-        """req's expected accepted drafts per depth, and past the shape's depth when drafting it whole."""
+        """req's expected accepted drafts per depth, and its lookup branch's when drafting the shape whole."""
         own = self.own.get(req)
         k = self.shrink()
         tail = self.tail_mean() if own is None else (own.tail + k * self.tail_mean()) / (own.tail_n + k)
         return _expected(self.request_rates(req), tail)
-
-    def _optimistic(self, req: Request) -> Expected:
-        """The guess a request is tried again with: OPTIMISTIC_RATE per level where the batch's rate is lower."""
-        _, tail = self._request(req)
-        return _expected([max(r, OPTIMISTIC_RATE) for r in self.rates()], max(tail, self.tail_mean()))
 
     def _own(self, req: Request) -> _Own:
         own = self.own.get(req)
@@ -135,10 +137,10 @@ class Acceptance:
         return own
 
     def _learn(self, shape: TreeShape, accepted: list[int], offered: list[int] | None,
-               reqs: Sequence[Request] | None) -> None:
-        """Conditional per-depth acceptance: offered at depth i when depth i-1 was accepted (and the
-        request's tree reached depth i: its budget may have cut it shorter); past the shape's full
-        depth, the extra accepted (a prompt-lookup branch)."""
+               reqs: Sequence[Request] | None, lookup: list[int] | None) -> None:
+        """Conditional per-depth acceptance of the proposer's drafts: offered at depth i when depth i-1
+        was accepted (and the request's tree reached depth i: its budget may have cut it shorter); the
+        lookup branch's accepted drafts in rows that drafted the whole shape (a budget cuts it first)."""
         s = self.max_shape.num_steps
         off, acc, tail = [0.0] * s, [0.0] * s, []
         for j, a in enumerate(accepted):
@@ -149,13 +151,13 @@ class Acceptance:
                 off[i] += 1.0
                 acc[i] += hit
                 if own is not None:
-                    own.off[i] = OWN_KEEP * own.off[i] + 1.0
-                    own.acc[i] = OWN_KEEP * own.acc[i] + hit
-            if shape.num_steps == s and reach == s and a >= s:
-                tail.append(a - s)
+                    own.off[i] = KEEP * own.off[i] + 1.0
+                    own.acc[i] = KEEP * own.acc[i] + hit
+            if lookup is not None and shape.num_steps == s and reach == s:
+                tail.append(lookup[j])
                 if own is not None:
-                    own.tail = OWN_KEEP * own.tail + (a - s)
-                    own.tail_n = OWN_KEEP * own.tail_n + 1.0
+                    own.tail = KEEP * own.tail + lookup[j]
+                    own.tail_n = KEEP * own.tail_n + 1.0
         # the batch-level counts forget per step (a depth only where it was offered), so a large batch
         # does not forget within a step what a small one remembers for twenty
         for i in range(s):
@@ -166,12 +168,17 @@ class Acceptance:
             self.tail = KEEP * self.tail + sum(tail)
             self.tail_n = KEEP * self.tail_n + len(tail)
 
+    def _learn_suffix(self, score: float, got: int) -> None:
+        """A step of suffix drafts verified alone: their scores' sum and the lookup drafts accepted."""
+        self.suffix_score = KEEP * self.suffix_score + score
+        self.suffix_got = KEEP * self.suffix_got + got
+
 
 def _expected(rates: list[float], tail: float) -> Expected:
-    """E(d) = sum_{i<=d} prod_{j<=i} rates[j] for d = 0..S, and the extra past S (P(accept S) x tail)."""
+    """E(d) = sum_{i<=d} prod_{j<=i} rates[j] for d = 0..S, and the lookup branch's extra (tail)."""
     out, e, p = [0.0], 0.0, 1.0
     for r in rates:
         p *= r
         e += p
         out.append(e)
-    return out, p * tail
+    return out, tail

@@ -88,15 +88,32 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: list[Request] | None = None,
-                sizes: list[int] | None = None, forced: int = 0) -> None:
+                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None) -> None:
         """After a step: its time (timed=False: not representative) and, per request whose proposer
         drafted, its accepted drafts and the deepest draft depth it was offered (None: the shape's
-        depth; a request's budget may cut its tree shorter), both counting the proposer's drafts alone
-        (the EAGLE-3 head's and the prompt-lookup branch it grafts, or the n-gram proposer's), never a
-        grammar's forced tokens (speculative/sources.py). reqs: those requests, in the same order
-        (None: unknown); sizes: every row's real node count in the verification, the root included
-        (None: every row verified the whole shape); forced: the forced drafts the step accepted, in
-        any row (part of what it emitted, in no request's acceptance)."""
+        depth; a request's budget may cut its tree shorter), both counting the proposer's own drafts
+        alone (the EAGLE-3 head's, or the n-gram or suffix proposer's), never a grammar's forced tokens
+        (speculative/sources.py). reqs: those requests, in the same order (None: unknown); sizes: every
+        row's real node count in the verification, the root included (None: every row verified the
+        whole shape); forced: the forced drafts the step accepted, in any row (part of what it emitted,
+        in no request's acceptance); lookup: per such row, the drafts of the lookup branch grafted onto
+        a head's tree that it accepted (None: no branch)."""
+        ...
+
+    def free_first(self, reqs: list[Request], scores: list[float]) -> bool:
+        """Verify the requests' suffix drafts alone this step (scores: the drafter's, per request),
+        without asking `plan`."""
+        ...
+
+    def free_allowed(self, batch_size: int) -> bool:
+        """`plan` chose plain decoding: verify the drafts that cost no draft model instead (a grammar's
+        forced tokens, suffix drafts)?"""
+        ...
+
+    def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
+                     scores: list[float] | None = None) -> None:
+        """After a step of drafts that cost no draft model: the tokens it emitted, its time, the lookup
+        drafts among them and (a `free_first` step) the drafts' scores."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

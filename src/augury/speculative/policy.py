@@ -56,10 +56,10 @@ def reason(why: Why) -> str:
         "threshold": f"more requests running than the disable threshold ({n})",
         "none": "no request in the batch may draft",
         "measure-plain": "measuring plain decoding first (nothing is assumed about this machine)",
-        "probe": f"probing drafting depth {n}: measuring its step time here",
-        "guard": f"off by the guard: drafting's realized tok/s lost to plain decoding's; probed again in {n} steps",
+        "probe": f"measuring drafting depth {n} afresh here (its step time and the requests' acceptance)",
+        "guard": f"off by the guard: drafting's realized tok/s, held to what it delivered, lost to plain's ({rates})",
         "explore": f"a plain step to keep measuring plain decoding while drafting pays ({rates})",
-        "try": f"a request tried again on an optimistic guess of its acceptance ({rates})",
+        "try": f"a request left out tried again, its figures measured afresh ({rates})",
         "on": f"on: {rates}",
         "off": f"off: {rates}" if n else f"off: no request's acceptance pays for drafting ({plain:.1f} tok/s plain)",
     }.get(code, code)
@@ -89,9 +89,22 @@ class StaticPolicy:
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: Sequence[Request] | None = None,
-                sizes: list[int] | None = None, forced: int = 0) -> None:
+                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None) -> None:
         """Feedback after a step (used by the adaptive policy; nothing to learn here). timed=False:
         the step's time is not representative (it also caught the head up on a backlog)."""
+
+    def free_first(self, reqs: Sequence[Request], scores: Sequence[float]) -> bool:
+        """The configured tree is always drafted: suffix drafts are never verified in its place."""
+        return False
+
+    def free_allowed(self, batch_size: int) -> bool:
+        """Where the tree is not drafted (above the threshold, no request may draft), the drafts that
+        cost no draft model are verified: nothing is measured here to say they lose."""
+        return True
+
+    def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
+                     scores: Sequence[float] | None = None) -> None:
+        """Feedback after a step of drafts that cost no draft model (nothing to learn here)."""
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         """Feedback after a plain decode step (nothing to learn here)."""

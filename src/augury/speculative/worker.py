@@ -23,7 +23,6 @@ from augury.outputs import SpecStep
 from augury.models.config import TargetConfig
 from augury.models.eagle3_head import Eagle3Head
 from augury.sampling import MASKED_AT_MOST, LogitsShaper, logits_at_allowed, token_logprobs
-from augury.speculative.arms import ForcedGate
 from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.ngram import matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape, Why, reason
@@ -38,11 +37,6 @@ log = logging.getLogger("augury.speculative")
 # suffix: one arm for the adaptive policy (a tree's full depth), 7 nodes plus the proposer's extra ones
 AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5), "suffix": TreeShape(4, 2, 8)}
 AUTO_NGRAM_BRANCH = 6  # suffix-draft nodes grafted onto each EAGLE-3 tree when none is configured
-# a batch (up to LOOKUP_BATCH) whose every request has a suffix draft expected to yield this many tokens
-# verifies the suffix drafts alone, without asking the head: at about the head's own yield on unseen text
-# (a 3-level tree, first drafts accepted ~0.4 of the time: ~1-1.5 tokens) a draft that costs no head
-# forward and no catch-up is the better buy; a copy (a file re-emitted, a tool call's shape) scores far above
-SUFFIX_ALONE = 2.0
 FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per request in a step without head drafts
 # the largest batch whose steps without head drafts verify prompt lookup too (above it, forced tokens alone):
 # a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores,
@@ -50,8 +44,7 @@ FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per reques
 # three runs, and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
 LOOKUP_BATCH = 1
 # a suffix-first step's reason (outputs.SpecStep.reason; _forced_only words it as a step without proposer drafts)
-SUFFIX_FIRST = (f"the suffix draft is expected to yield at least {SUFFIX_ALONE:g} tokens: verified alone, "
-                "the policy not asked")
+SUFFIX_FIRST = "the suffix drafts' expected tokens per second beat the policy's choice: verified alone"
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
 
 
@@ -79,7 +72,6 @@ class Speculator:
         # nor told (its measurements start clean)
         self.warming = warming
         self._warm_steps = 0
-        self.forced_gate = ForcedGate()  # forced-only steps where they pay (arms.py)
         self._contexts = drafter if drafter is not None else SuffixDrafter(0)  # each request's tokens as an array
         self._thread_changes = 0  # the host's count of thread-count changes when last seen
 
@@ -90,7 +82,6 @@ class Speculator:
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         if not self.warming:
             self.policy.observe_plain(batch_size, seconds)
-            self.forced_gate.observe_plain(batch_size, seconds)
 
     def step(self, host: TargetHost, reqs: list[Request]) -> bool:
         """Speculate for this decode batch; False means the caller should decode plainly.
@@ -113,9 +104,10 @@ class Speculator:
         if changes != self._thread_changes:
             self._thread_changes = changes
             self.policy.costs_changed()
-            self.forced_gate.costs_changed()
-        if self._suffix_first(reqs) and self.forced_gate.allowed(len(reqs)) and self._forced_only(
-                host, reqs, [SUFFIX_FIRST] * len(reqs) if any(r.spec_steps is not None for r in reqs) else None):
+        scores = self._suffix_first(reqs)
+        if scores is not None and self._forced_only(
+                host, reqs, [SUFFIX_FIRST] * len(reqs) if any(r.spec_steps is not None for r in reqs) else None,
+                scores):
             return True
         why: Why | None = None  # the policy's account of its plan, when it was asked for one
         if all(r.params.max_draft_tokens == 0 or not self._ready(r) for r in reqs):
@@ -137,7 +129,7 @@ class Speculator:
         # what each row's step is, in words, for the requests that asked (SamplingParams.return_token_sources)
         notes = self._notes(reqs, caps, why, shape is not None) if any(r.spec_steps is not None for r in reqs) \
             else None
-        if shape is None and self.forced_gate.allowed(len(reqs)) and self._forced_only(host, reqs, notes):
+        if shape is None and self.policy.free_allowed(len(reqs)) and self._forced_only(host, reqs, notes):
             return True
         if shape is None or not host.reserve(reqs, lookahead):
             if notes is not None:
@@ -167,13 +159,15 @@ class Speculator:
         # left at its root); the step's output counts them all. The row sizes tell it what share of the
         # whole shape's cost this step drafted.
         learned = [(b, t) for b, t in verified if t.depth]
+        own = Source.HEAD if self.needs_aux else Source.LOOKUP  # the proposer's own drafts; a head's lookup apart
         if not self.warming:
-            self.policy.observe(len(reqs), shape, clock(host.device) - t0, [t.hits for _, t in learned],
+            self.policy.observe(len(reqs), shape, clock(host.device) - t0, [t.accepted[own] for _, t in learned],
                                 timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub)
                                 and host.thread_trials() == trials,  # no thread count tried inside
                                 offered=[t.depth for _, t in learned],
                                 reqs=[reqs[b] for b, _ in learned], sizes=tree.row_sizes(),
-                                forced=sum(t.accepted[Source.FORCED] for _, t in verified))
+                                forced=sum(t.accepted[Source.FORCED] for _, t in verified),
+                                lookup=[t.accepted[Source.LOOKUP] for _, t in learned] if self.needs_aux else None)
         host.stats.steps_spec += 1
         return True
 
@@ -205,21 +199,22 @@ class Speculator:
         threshold = self.disable_batch_threshold
         return len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
 
-    def _suffix_first(self, reqs: list[Request]) -> bool:
-        """A head's step whose every request has a suffix draft worth SUFFIX_ALONE tokens: verify those
-        alone (a free-drafts step) rather than draft with the head (the policy is not asked)."""
+    def _suffix_first(self, reqs: list[Request]) -> list[float] | None:
+        """A head's step whose requests' suffix drafts, verified alone (a free-drafts step), the policy
+        expects to beat its own choice (policy.free_first): their scores; else None."""
         if self.drafter is None or not self.needs_aux or self.warming or not self._lookup_batch(reqs):
-            return False
+            return None
+        scores = []
         for r in reqs:
             own = r.params.max_draft_tokens
             if own == 0:
-                return False
+                return None
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
-            if self.drafter.draft(self.drafter.context(r), limit).score < SUFFIX_ALONE:
-                return False
-        return True
+            scores.append(self.drafter.draft(self.drafter.context(r), limit).score)
+        return scores if self.policy.free_first(reqs, scores) else None
 
-    def _forced_only(self, host: TargetHost, reqs: list[Request], notes: list[str] | None = None) -> bool:
+    def _forced_only(self, host: TargetHost, reqs: list[Request], notes: list[str] | None = None,
+                     scores: list[float] | None = None) -> bool:
         """No head drafts this step: verify the drafts that cost no draft model alone (free_drafts: the
         tokens a request's grammar forces, keys, punctuation, a fixed value, all but always accepted,
         and prompt lookup where the request's text repeats itself or its prompt), as chains under
@@ -247,8 +242,10 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
-        if not self.warming and host.thread_trials() == trials:
-            self.forced_gate.observe_forced(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0)
+        if not self.warming:
+            self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
+                                     timed=host.thread_trials() == trials,
+                                     lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores)
         host.stats.steps_spec += 1
         return True
 
