@@ -6,7 +6,7 @@ MODEL is what `augury serve --model` takes (a .gguf file: its cached conversion 
 own process, so the figure is a second start's). The child resolves the name, loads the CPU kernels,
 then builds the engine without warm-up (target, KV cache), and prints one JSON line:
 runtime_mb (resident before the target: Python, torch, kernels), weights_mb (the model's parameters
-and buffers), kv_mb (allocated; its pages are touched lazily), peak_mb (ru_maxrss), final_mb
+and buffers), kv_mb (allocated; its pages are touched lazily), peak_mb (VmHWM), final_mb
 (resident at the end), load_s (the build's seconds), peak_anon_mb / peak_file_mb (the highest
 anonymous and file-backed resident memory seen, sampled every 20 ms) and
 ratio = peak / (runtime + weights + kv).
@@ -73,7 +73,8 @@ def child(model: str, max_len: int, kv_gb: float) -> None:
             seen.add(t.data_ptr())
             weights += t.untyped_storage().nbytes()
     kv = sum(t.untyped_storage().nbytes() for t in (engine.kv.k, engine.kv.v)) if hasattr(engine.kv, "k") else 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:  # this program's own peak (ru_maxrss also counts the parent's before exec)
+        peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
     out = {"runtime_mb": round(runtime), "weights_mb": round(weights / 2**20), "kv_mb": round(kv / 2**20),
            "peak_mb": round(peak), "final_mb": round(_rss_mb()), "load_s": round(load_s, 2),
            "peak_anon_mb": round(peaks[0]), "peak_file_mb": round(peaks[1])}

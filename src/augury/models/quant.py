@@ -334,7 +334,7 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
 
 
-OUTPUT_PACK_ROWS = 4096  # rows quantised at a time (a multiple of 16): one chunk's float32 temporaries
+OUTPUT_PACK_ROWS = 1024  # rows quantised at a time (a multiple of 16): ~5 float32 copies of a chunk live at once
 
 
 def pack_output_rows(kernel: cpu_kernels.W8A8, rows: Callable[[int, int], torch.Tensor], n: int,
