@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from augury.attention import PagedBackend
+from augury.attention.kv_dtype import kv_cache_dtype
 from augury.config import EngineConfig, ResolvedModel
 from augury.engine.engine import Engine
 from augury.core.kv_budget import available_memory, plan_kv_cache
@@ -60,6 +61,10 @@ def build_engine(config: EngineConfig, resolved: ResolvedModel | None = None,
 
         tcfg = TargetConfig.from_folder(folder)
         dtype = resolve_dtype(config.dtype, tcfg.torch_dtype, device)
+        if kv_cache_dtype(config.kv_cache_dtype, dtype).itemsize == 1 and device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is implemented for CPUs only (its attention "
+                             f"reads widen fp8 in augury's CPU kernel and torch's CPU path); on {device.type} use "
+                             "auto, bfloat16, float16 or float32")
         limits = [tcfg.max_position_embeddings] + ([tcfg.sliding_window] if tcfg.sliding_window else [])
         max_len = config.max_model_len or min(limits)
         if max_len > min(limits):
@@ -123,7 +128,7 @@ def _build_rest(config: EngineConfig, resolved: ResolvedModel, notify, warmup: b
     with stage("KV cache", notify):
         bs = config.block_size
         local = model.cfg  # this rank's KV heads (all of them without tensor parallelism)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         per_token = KVCache.bytes_per_token(tcfg.num_layers, local.num_kv_heads, tcfg.head_dim, kv_dtype)
         if plan is not None:
             per_token += plan.kv_bytes_per_token()

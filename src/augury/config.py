@@ -35,7 +35,7 @@ ALGORITHMS = ("eagle3", "suffix", "ngram", "none")
 POLICIES = ("adaptive", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM's
 
 
 @dataclass(frozen=True)
@@ -252,9 +252,12 @@ OPTIONS: tuple[Option, ...] = (
            default_help="room for 2 requests of the full context (or 256 MiB for a model whose contexts are "
                         "small), at most half the memory available after the weights", metavar="GB"),
     Option("kv_cache_dtype", "--kv-cache-dtype", str,
-           "dtype of the KV cache: auto (the model's), bfloat16, float16 or float32; keys and values are "
-           "converted as they are written (a float32 cache holds a bfloat16 model's exactly, at twice the "
-           "memory; a 16-bit cache halves a float32 model's)", metavar="DTYPE"),
+           "dtype of the KV cache: auto (the model's), bfloat16, float16, float32 or fp8 (= fp8_e4m3, CPUs "
+           "only); keys and values are converted as they are written (a float32 cache holds a bfloat16 "
+           "model's exactly, at twice the memory; a 16-bit cache halves a float32 model's; fp8 halves a "
+           "bfloat16 one's, rounding each key and value to 3 mantissa bits, no scale, +-448 at most: its effect "
+           "on greedy answers and acceptance is in docs/architecture.md)",
+           metavar="DTYPE"),
     Option("num_kv_blocks", "--num-kv-blocks", int, "KV cache size in blocks; overrides --kv-cache-memory-gb",
            default_help="sized automatically, see --kv-cache-memory-gb", metavar="N"),
     Option("block_size", "--block-size", int, "tokens per KV cache block", metavar="N"),

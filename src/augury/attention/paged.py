@@ -19,6 +19,7 @@ from augury.attention.tree_mask import ancestor_masks, tree_attention_mask
 from augury.cpu import kernels as cpu_kernels
 from augury.attention.base import FusedRows
 from augury.attention.sdpa import attend
+from augury.attention.kv_dtype import as_stored, store_slots
 
 # Exact attention (the target's forwards): a single-query row reads its keys in position order,
 # padded with masked keys to a multiple of KEY_ALIGN. On CPUs such a row comes out bit for bit the
@@ -309,8 +310,8 @@ class StepAttention:
         b, ql, nkv, hd = k.shape
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         # converted into the cache's dtype as written (a no-op when it is the model's)
-        k_cache.index_copy_(0, self.slot_mapping, k.reshape(b * ql, nkv, hd).to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.reshape(b * ql, nkv, hd).to(v_cache.dtype))
+        store_slots(k_cache, self.slot_mapping, k.reshape(b * ql, nkv, hd))
+        store_slots(v_cache, self.slot_mapping, v.reshape(b * ql, nkv, hd))
         if self.exact is not None:
             return self._attend_exact(q, k_cache, v_cache).view(b, ql, -1)
         meta = self.masked
@@ -320,7 +321,7 @@ class StepAttention:
             k = k_cache.index_select(0, flat).view(b, n_keys, nkv, hd)  # [B, C+Q, nkv, hd]
             v = v_cache.index_select(0, flat).view(b, n_keys, nkv, hd)
         else:  # the new keys alone: read as stored, so that every path sees the cache's values
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
         return self._attend(q, k, v, meta.mask, meta.causal)
 
     def _attend_exact(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -370,7 +371,7 @@ class StepAttention:
 def _attention_kernel(k_cache: torch.Tensor):
     """augury's exact-rows attention kernel for this cache, or None (not a CPU cache it takes, or the
     kernel cannot be built here: then torch's attention runs)."""
-    if (k_cache.device.type != "cpu" or k_cache.dtype not in (torch.bfloat16, torch.float32)
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in cpu_kernels.ATTENTION_CACHE_FORMATS
             or k_cache.shape[-1] % 8 or not k_cache.is_contiguous()):
         return None
     return cpu_kernels.attention()
@@ -398,7 +399,8 @@ class PagedBackend:
     gather and the output is rounded once. On CPUs with native bfloat16 too: there torch's bfloat16
     attention is faster, but its bits depend on how the rows are batched (a prompt prefilled after a
     prefix-cache hit came out other than the same prompt prefilled whole, AVX512-BF16 EPYC), so
-    float32 is the one path on every CPU. On an AVX2 CPU float32 is also the fast one. Measured on such a CPU (one thread, 9 query / 3 KV heads of 64, one query): bfloat16
+    float32 is the one path on every CPU. An fp8 cache (--kv-cache-dtype fp8) attends in float32 too, widened
+    exactly as read, on the kernel and in torch alike. On an AVX2 CPU float32 is also the fast one. Measured on such a CPU (one thread, 9 query / 3 KV heads of 64, one query): bfloat16
     SDPA 126 us at 112 keys and 627 us at 512, float32 29 us and 83 us. Float32 rows keep the
     properties exact attention stands on (WIDTH_FREE_DTYPES), so verification stays decoding.
     """
@@ -410,7 +412,8 @@ class PagedBackend:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.block_size = block_size
         self.device = k_cache.device
-        if compute_dtype is None and k_cache.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu":
+        if compute_dtype is None and (k_cache.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
+                                      or k_cache.element_size() == 1):
             compute_dtype = torch.float32
         self.compute_dtype = compute_dtype
         widths_free = (compute_dtype or k_cache.dtype) in WIDTH_FREE_DTYPES

@@ -178,7 +178,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 class KVCache:
     """K and V storage [layers, slots, kv_heads, head_dim] for one model (lazy_zeros: memory is taken
     as slots are written). `dtype` is the cache's, which may differ from the model's (--kv-cache-dtype):
-    keys and values are converted as they are written, and attention reads them in place."""
+    keys and values are converted as they are written (attention/kv_dtype.py), and attention reads them in
+    place."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:

@@ -498,6 +498,10 @@ class BF16:
         return y
 
 
+# the cache dtypes the attention kernel reads, by its format code (csrc/attention.h)
+ATTENTION_CACHE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
 class AttentionKernel:
     """The loaded exact-rows attention kernel (csrc/attention.cpp)."""
 
@@ -509,10 +513,11 @@ class AttentionKernel:
 
     def attend_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                     nkeys: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [R, nh, hd]; k_cache / v_cache [S, nkv, hd] (bfloat16 or float32, contiguous); slots [R, W]
-        int64, of which row r reads the first nkeys[r] (int32 [R]), each a slot of the cache (0..S-1;
-        the kernel checks them before reading). Returns [R, nh * hd] in q's dtype."""
-        if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32) \
+        """q [R, nh, hd]; k_cache / v_cache [S, nkv, hd] (float32, bfloat16 or float8_e4m3fn, contiguous;
+        widened to float32 exactly as read); slots [R, W] int64, of which row r reads the first nkeys[r]
+        (int32 [R]), each a slot of the cache (0..S-1; the kernel checks them before reading). Returns
+        [R, nh * hd] in q's dtype."""
+        if q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in ATTENTION_CACHE_FORMATS \
                 or v_cache.dtype != k_cache.dtype or slots.dtype != torch.int64 or nkeys.dtype != torch.int32:
             raise ValueError(f"attend_rows: unsupported dtypes q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}, "
                              f"slots {slots.dtype}, nkeys {nkeys.dtype}")
@@ -528,7 +533,7 @@ class AttentionKernel:
         _expect("attend_rows", "nkeys", nkeys, (torch.int32,), (r,))
         out = torch.empty(r, nh * hd, dtype=q.dtype)
         rc = self._fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, nh, hd, k_cache.data_ptr(), v_cache.data_ptr(),
-                      int(k_cache.dtype == torch.bfloat16), nkv, s, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
+                      ATTENTION_CACHE_FORMATS[k_cache.dtype], nkv, s, slots.data_ptr(), nkeys.data_ptr(), slots.shape[1],
                       scale, out.data_ptr(), int(q.dtype == torch.bfloat16), _threads())
         if rc:
             raise ValueError("attend_rows: " + {2: "key counts out of range (each row needs 1..W keys)",

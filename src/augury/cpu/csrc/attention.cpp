@@ -1,7 +1,7 @@
 // augury's CPU attention for exact rows (attention/torch_paged.py): each query row attends over its
 // own list of cache slots (context, then its tree ancestors and itself, in position order), read in
-// place from the paged KV cache, in float32 (16-bit caches are widened exactly). Built at first use by
-// models/cpu_kernels.py; torch's attention runs where it cannot be built.
+// place from the paged KV cache, in float32 (16- and 8-bit caches are widened exactly). Built at first
+// use by models/cpu_kernels.py; torch's attention runs where it cannot be built.
 //
 // A row's output depends only on its query, its slots and the cache: scores, softmax and the weighted
 // sum run in one fixed order per (row, head) whatever the other rows and the threads (threads split
@@ -12,15 +12,17 @@
 
 #include "attention.h"
 
-// q [R, nh, hd]; caches [S, nkv, hd]; slots [R, W] int64 (the first nkeys[r] are row r's keys, each in
-// 0..S-1); out [R, nh * hd]. hd % 8 == 0, nh % nkv == 0 (query head h reads key-value head h / (nh / nkv)).
+// q [R, nh, hd]; caches [S, nkv, hd] in format kv (attention.h: 0 float32, 1 bfloat16, 2 fp8 e4m3);
+// slots [R, W] int64 (the first nkeys[r] are row r's keys, each in 0..S-1); out [R, nh * hd]. hd % 8 == 0, nh % nkv == 0 (query head h reads key-value head h / (nh / nkv)).
 // Returns 0, 1 for bad shapes, 2 for a key count outside 1..W, 3 for a slot outside the cache (checked
 // before anything is read: the slots are raw offsets).
 extern "C" int augury_attend_rows(const void *q, int q_bf16, int64_t R, int64_t nh, int64_t hd, const void *kc,
-                                  const void *vc, int kv_bf16, int64_t nkv, int64_t S, const int64_t *slots,
+                                  const void *vc, int kv, int64_t nkv, int64_t S, const int64_t *slots,
                                   const int32_t *nkeys, int64_t W, float scale, void *out, int out_bf16,
                                   int nthreads) {
-    if (hd % 8 || hd > 512 || nkv < 1 || nh % nkv || R < 0 || W < 1 || S < 0) return 1;
+    if (kv < augury::KV_F32 || kv > augury::KV_FP8 || hd % 8 || hd > 512 || nkv < 1 || nh % nkv || R < 0 || W < 1
+        || S < 0)
+        return 1;
     for (int64_t r = 0; r < R; r++) {
         if (nkeys[r] < 1 || nkeys[r] > W) return 2;
         for (int64_t j = 0; j < nkeys[r]; j++)
@@ -33,7 +35,7 @@ extern "C" int augury_attend_rows(const void *q, int q_bf16, int64_t R, int64_t 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < R * nkv; t++) {
             const int64_t r = t / nkv, g = t % nkv;
-            augury::attend_task(q, q_bf16 != 0, r, g, nh, hd, kc, vc, kv_bf16 != 0, nkv, slots + r * W, nkeys[r],
+            augury::attend_task(q, q_bf16 != 0, r, g, nh, hd, kc, vc, kv, nkv, slots + r * W, nkeys[r],
                                 scale, out, out_bf16 != 0, scores);
         }
     }

@@ -17,8 +17,38 @@ namespace augury {
 // key j is scored. A hint: it changes no number and never faults.
 constexpr int64_t KV_AHEAD = 16;
 
-inline void prefetch_kv(const void *kc, const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd, int64_t slot) {
-    const int bytes = static_cast<int>(hd) * (kv_bf16 ? 2 : 4);
+// A cache's element format (kv): float32, bfloat16, or fp8 e4m3 (the OCP "fn" form torch calls
+// float8_e4m3fn: 4 exponent bits, bias 7, 3 mantissa bits, no infinities, S.1111.111 is NaN). Every
+// format widens to float32 exactly, and from there each path runs the same float32 arithmetic.
+enum : int { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+
+inline int kv_bytes(int kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+
+// fp8 e4m3 -> float32 by a 256-entry table (exact; read by gathers, the same bits on every ISA level)
+struct Fp8Table {
+    alignas(64) float v[256];
+    Fp8Table() {
+        for (int b = 0; b < 256; b++) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            float x = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(8.0f + m, e - 10);
+            if (e == 15 && m == 7) x = NAN;
+            v[b] = (b & 128) ? -x : x;
+        }
+    }
+};
+inline const Fp8Table FP8_TABLE;
+
+// 8 cache elements from element i as float32 (a bfloat16 or float32 row as load8 reads it)
+inline __m256 load8kv(const void *p, int kv, int64_t i) {
+    if (kv == KV_FP8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(static_cast<const uint8_t *>(p) + i));
+        return _mm256_i32gather_ps(FP8_TABLE.v, _mm256_cvtepu8_epi32(b), 4);
+    }
+    return load8(p, kv == KV_BF16, i);
+}
+
+inline void prefetch_kv(const void *kc, const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, int64_t slot) {
+    const int bytes = static_cast<int>(hd) * kv_bytes(kv);
     const int64_t at = (slot * nkv + g) * bytes;
     prefetch_next(static_cast<const char *>(kc) + at, bytes);
     prefetch_next(static_cast<const char *>(vc) + at, bytes);
@@ -105,7 +135,7 @@ inline int pv_dim(bool bf16, int lanes, int half, int i) {  // the dimension (wi
 }
 
 template <int H>
-__attribute__((noinline)) void pv_pass256(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd,
+__attribute__((noinline)) void pv_pass256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd,
                                           const int64_t *sl, int64_t n, const float *scores, int64_t d0,
                                           const float *inv, float *o) {
     __m256 acc[H][2];
@@ -113,11 +143,14 @@ __attribute__((noinline)) void pv_pass256(const void *vc, bool kv_bf16, int64_t 
     for (int64_t j = 0; j < n; j++) {
         const int64_t base = (sl[j] * nkv + g) * hd + d0;
         __m256 lo, hi;
-        if (kv_bf16) {
+        if (kv == KV_BF16) {
             const __m256i v =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(vc) + base));
             lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
             hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+        } else if (kv == KV_FP8) {
+            lo = load8kv(vc, kv, base);
+            hi = load8kv(vc, kv, base + 8);
         } else {
             lo = _mm256_loadu_ps(static_cast<const float *>(vc) + base);
             hi = _mm256_loadu_ps(static_cast<const float *>(vc) + base + 8);
@@ -132,7 +165,7 @@ __attribute__((noinline)) void pv_pass256(const void *vc, bool kv_bf16, int64_t 
         for (int half = 0; half < 2; half++) {
             alignas(32) float t[8];
             _mm256_store_ps(t, _mm256_mul_ps(acc[h][half], _mm256_set1_ps(inv[h])));
-            for (int i = 0; i < 8; i++) o[h * hd + d0 + pv_dim(kv_bf16, 8, half, i)] = t[i];
+            for (int i = 0; i < 8; i++) o[h * hd + d0 + pv_dim(kv == KV_BF16, 8, half, i)] = t[i];
         }
 }
 
@@ -140,15 +173,15 @@ __attribute__((noinline)) void pv_pass256(const void *vc, bool kv_bf16, int64_t 
 // spilled on AVX2's 16 registers, 20 vs 16.5 cycles a key and head at 8 rows), a last 8 as load8
 // widens them
 template <int H>
-inline void pv_sums256(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl,
+inline void pv_sums256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl,
                        int64_t n, const float *scores, const float *inv, float *o) {
     int64_t d0 = 0;
-    for (; d0 + 16 <= hd; d0 += 16) pv_pass256<H>(vc, kv_bf16, nkv, g, hd, sl, n, scores, d0, inv, o);
+    for (; d0 + 16 <= hd; d0 += 16) pv_pass256<H>(vc, kv, nkv, g, hd, sl, n, scores, d0, inv, o);
     if (d0 < hd) {  // 8 left
         __m256 acc[H];
         for (int h = 0; h < H; h++) acc[h] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const __m256 v = load8(vc, kv_bf16, (sl[j] * nkv + g) * hd + d0);
+            const __m256 v = load8kv(vc, kv, (sl[j] * nkv + g) * hd + d0);
             for (int h = 0; h < H; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + j]), v, acc[h]);
         }
         for (int h = 0; h < H; h++) _mm256_storeu_ps(o + h * hd + d0, _mm256_mul_ps(acc[h], _mm256_set1_ps(inv[h])));
@@ -163,25 +196,25 @@ inline void pv_sums256(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int
 // variant holds A and B in one register's halves (the same operations lane for lane).
 template <int H>
 inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                            const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                            const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
                             float scale, void *out, bool out_bf16, float *scores /* [H, n] */) {
     const int64_t nv = hd / 8;
     __m256 qv[H][64];  // hd / 8 <= 64
     for (int h = 0; h < H; h++)
         for (int64_t i = 0; i < nv; i++)
             qv[h][i] = _mm256_mul_ps(load8(q, q_bf16, (r * nh + h0 + h) * hd + 8 * i), _mm256_set1_ps(scale));
-    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j]);
+    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j]);
     // key j's A + B per head (its score is their hsum)
     auto lanes = [&](int64_t j, __m256 *v) {
-        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j + KV_AHEAD]);
+        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j + KV_AHEAD]);
         const int64_t base = (sl[j] * nkv + g) * hd;
         __m256 a[H], b[H];
         for (int h = 0; h < H; h++) a[h] = b[h] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nv; i += 2) {
-            const __m256 k = load8(kc, kv_bf16, base + 8 * i);
+            const __m256 k = load8kv(kc, kv, base + 8 * i);
             for (int h = 0; h < H; h++) a[h] = _mm256_fmadd_ps(qv[h][i], k, a[h]);
             if (i + 1 < nv) {
-                const __m256 k1 = load8(kc, kv_bf16, base + 8 * i + 8);
+                const __m256 k1 = load8kv(kc, kv, base + 8 * i + 8);
                 for (int h = 0; h < H; h++) b[h] = _mm256_fmadd_ps(qv[h][i + 1], k1, b[h]);
             }
         }
@@ -192,7 +225,7 @@ inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
-    pv_sums256<H>(vc, kv_bf16, nkv, g, hd, sl, n, scores, inv, o);
+    pv_sums256<H>(vc, kv, nkv, g, hd, sl, n, scores, inv, o);
     for (int h = 0; h < H; h++) store_out(out, out_bf16, (r * nh + h0 + h) * hd, o + h * hd, static_cast<int>(hd));
 }
 
@@ -205,10 +238,19 @@ inline __m512 load16(const void *p, bool bf16, int64_t i) {
     return _mm512_loadu_ps(static_cast<const float *>(p) + i);
 }
 
+// 16 cache elements from element i as float32 (load8kv's numbers, 16 lanes)
+inline __m512 load16kv(const void *p, int kv, int64_t i) {
+    if (kv == KV_FP8) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint8_t *>(p) + i));
+        return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), FP8_TABLE.v, 4);
+    }
+    return load16(p, kv == KV_BF16, i);
+}
+
 // pv_pass256's numbers 16 lanes at a time: C chunks of 32 dimensions (a 64-byte bfloat16 row part
 // widened by the same in-lane interleave: pv_dim with 16 lanes)
 template <int H, int C>
-__attribute__((noinline)) void pv_pass512(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd,
+__attribute__((noinline)) void pv_pass512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd,
                                           const int64_t *sl, int64_t n, const float *scores, int64_t d0,
                                           const float *inv, float *o) {
     __m512 acc[H][C][2];
@@ -220,10 +262,13 @@ __attribute__((noinline)) void pv_pass512(const void *vc, bool kv_bf16, int64_t 
         for (int h = 0; h < H; h++) pv[h] = _mm512_set1_ps(scores[h * n + j]);
         for (int c = 0; c < C; c++) {
             __m512 lo, hi;
-            if (kv_bf16) {
+            if (kv == KV_BF16) {
                 const __m512i v = _mm512_loadu_si512(static_cast<const uint16_t *>(vc) + base + 32 * c);
                 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
                 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
+            } else if (kv == KV_FP8) {
+                lo = load16kv(vc, kv, base + 32 * c);
+                hi = load16kv(vc, kv, base + 32 * c + 16);
             } else {
                 lo = _mm512_loadu_ps(static_cast<const float *>(vc) + base + 32 * c);
                 hi = _mm512_loadu_ps(static_cast<const float *>(vc) + base + 32 * c + 16);
@@ -239,28 +284,28 @@ __attribute__((noinline)) void pv_pass512(const void *vc, bool kv_bf16, int64_t 
             for (int half = 0; half < 2; half++) {
                 alignas(64) float t[16];
                 _mm512_store_ps(t, _mm512_mul_ps(acc[h][c][half], _mm512_set1_ps(inv[h])));
-                for (int i = 0; i < 16; i++) o[h * hd + d0 + 32 * c + pv_dim(kv_bf16, 16, half, i)] = t[i];
+                for (int i = 0; i < 16; i++) o[h * hd + d0 + 32 * c + pv_dim(kv == KV_BF16, 16, half, i)] = t[i];
             }
 }
 
 // pv_pass512 over all hd dimensions (hd % 16 == 0): passes of up to 4 x 32 (hd 128 in one: 24 of the
 // 32 registers), a last 16 in natural order
 template <int H>
-inline void pv_sums512(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl,
+inline void pv_sums512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl,
                        int64_t n, const float *scores, const float *inv, float *o) {
     int64_t d0 = 0;
-    for (; d0 + 128 <= hd; d0 += 128) pv_pass512<H, 4>(vc, kv_bf16, nkv, g, hd, sl, n, scores, d0, inv, o);
+    for (; d0 + 128 <= hd; d0 += 128) pv_pass512<H, 4>(vc, kv, nkv, g, hd, sl, n, scores, d0, inv, o);
     switch ((hd - d0) / 32) {
-        case 3: pv_pass512<H, 3>(vc, kv_bf16, nkv, g, hd, sl, n, scores, d0, inv, o); break;
-        case 2: pv_pass512<H, 2>(vc, kv_bf16, nkv, g, hd, sl, n, scores, d0, inv, o); break;
-        case 1: pv_pass512<H, 1>(vc, kv_bf16, nkv, g, hd, sl, n, scores, d0, inv, o); break;
+        case 3: pv_pass512<H, 3>(vc, kv, nkv, g, hd, sl, n, scores, d0, inv, o); break;
+        case 2: pv_pass512<H, 2>(vc, kv, nkv, g, hd, sl, n, scores, d0, inv, o); break;
+        case 1: pv_pass512<H, 1>(vc, kv, nkv, g, hd, sl, n, scores, d0, inv, o); break;
     }
     d0 += (hd - d0) / 32 * 32;
     if (d0 < hd) {  // 16 left
         __m512 acc[H];
         for (int h = 0; h < H; h++) acc[h] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const __m512 v = load16(vc, kv_bf16, (sl[j] * nkv + g) * hd + d0);
+            const __m512 v = load16kv(vc, kv, (sl[j] * nkv + g) * hd + d0);
             for (int h = 0; h < H; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * n + j]), v, acc[h]);
         }
         for (int h = 0; h < H; h++) _mm512_storeu_ps(o + h * hd + d0, _mm512_mul_ps(acc[h], _mm512_set1_ps(inv[h])));
@@ -270,7 +315,7 @@ inline void pv_sums512(const void *vc, bool kv_bf16, int64_t nkv, int64_t g, int
 // attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16 when known (0: hd / 16)
 template <int H, int NC>
 inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                            const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                            const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
                             float scale, void *out, bool out_bf16, float *scores) {
     const int64_t nc = NC ? NC : hd / 16;
     constexpr int CAP = NC ? NC : 32;  // hd <= 512
@@ -278,15 +323,15 @@ inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     for (int h = 0; h < H; h++)
         for (int64_t c = 0; c < nc; c++)
             qz[h][c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
-    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j]);
+    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j]);
     // key j's A + B per head: the low and high halves of one 16-lane chain
     auto lanes = [&](int64_t j, __m256 *v) {
-        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv_bf16, nkv, g, hd, sl[j + KV_AHEAD]);
+        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j + KV_AHEAD]);
         const int64_t base = (sl[j] * nkv + g) * hd;
         __m512 s[H];
         for (int h = 0; h < H; h++) s[h] = _mm512_setzero_ps();
         for (int64_t c = 0; c < nc; c++) {
-            const __m512 k = load16(kc, kv_bf16, base + 16 * c);
+            const __m512 k = load16kv(kc, kv, base + 16 * c);
             for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(qz[h][c], k, s[h]);
         }
         for (int h = 0; h < H; h++)
@@ -298,28 +343,28 @@ inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
-    pv_sums512<H>(vc, kv_bf16, nkv, g, hd, sl, n, scores, inv, o);
+    pv_sums512<H>(vc, kv, nkv, g, hd, sl, n, scores, inv, o);
     for (int h = 0; h < H; h++) store_out(out, out_bf16, (r * nh + h0 + h) * hd, o + h * hd, static_cast<int>(hd));
 }
 #endif
 
 template <int H>
 inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                         const void *kc, const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n,
+                         const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
                          float scale, void *out, bool out_bf16, float *scores) {
 #if defined(__AVX512F__)
-    if (hd == 64) return attend_heads512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd == 128) return attend_heads512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd % 16 == 0) return attend_heads512<H, 0>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd == 64) return attend_heads512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd == 128) return attend_heads512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd % 16 == 0) return attend_heads512<H, 0>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
 #endif
-    attend_heads256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores);
+    attend_heads256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
 }
 
 // Query heads g * rep .. (g + 1) * rep - 1 of row r (q [R, nh, hd]) over the first n of slots sl,
 // into out [R, nh * hd], up to 4 heads sharing each key's load; scores is the caller's scratch
 // (resized here). A head's numbers do not depend on which heads share its loads.
 inline void attend_task(const void *q, bool q_bf16, int64_t r, int64_t g, int64_t nh, int64_t hd, const void *kc,
-                        const void *vc, bool kv_bf16, int64_t nkv, const int64_t *sl, int64_t n, float scale,
+                        const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n, float scale,
                         void *out, bool out_bf16, std::vector<float> &scores) {
     const int64_t rep = nh / nkv;
     scores.resize(static_cast<size_t>(4 * n));
@@ -327,7 +372,7 @@ inline void attend_task(const void *q, bool q_bf16, int64_t r, int64_t g, int64_
         const int64_t left = (g + 1) * rep - h0;
         switch (left < 4 ? left : 4) {
 #define AUGURY_HEADS(k) \
-    case k: attend_heads<k>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv_bf16, nkv, sl, n, scale, out, out_bf16, scores.data()); break;
+    case k: attend_heads<k>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores.data()); break;
             AUGURY_HEADS(4) AUGURY_HEADS(3) AUGURY_HEADS(2) AUGURY_HEADS(1)
 #undef AUGURY_HEADS
         }
