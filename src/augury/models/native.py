@@ -325,6 +325,11 @@ def plan(kinds: list[str]) -> str | None:
     return "q4f" if all(k in ("int4", "q4k") for k in kinds) else "q8g"
 
 
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows one under another (a lone part as it is: the kernels' packing copies it anyway)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype,
           device: torch.device) -> torch.nn.Module | None:
     """One linear from its row blocks (each a GGUF tensor's parts: codes [n_i, K] unpacked, scale,
@@ -346,24 +351,24 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
             if all(m is not None for m in mods):
                 return SegmentedLinear(mods, bias)
     if kind == "int4":
-        cat = {k: torch.cat([p[k] for p in parts]) for k in ("codes", "scale", "zero")}
+        cat = {k: _rows([p[k] for p in parts]) for k in ("codes", "scale", "zero")}
         return Int4Linear(cat["codes"], cat["scale"], cat["zero"], bias, dtype, device=device)
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None  # the float32 and general forms run in augury's CPU kernels, bfloat16 only
     if kind == "q4k":
         if cpu_kernels.w4a8() is None or parts[0]["codes"].shape[1] % (8 * INT4_GROUP):
             return None
-        return W4KLinear(*(torch.cat([p[k] for p in parts]) for k in ("codes", "d", "dmin", "sc", "m")), bias)
+        return W4KLinear(*(_rows([p[k] for p in parts]) for k in ("codes", "d", "dmin", "sc", "m")), bias)
     if kind == "q6k":
         if cpu_kernels.w8a8() is None or parts[0]["codes"].shape[1] % (8 * INT4_GROUP):
             return None
-        return W6KLinear(*(torch.cat([p[k] for p in parts]) for k in ("codes", "d", "sub")), bias)
+        return W6KLinear(*(_rows([p[k] for p in parts]) for k in ("codes", "d", "sub")), bias)
     if kind == "q4f":
         if cpu_kernels.w4a8() is None:
             return None
         q = [_as_q4f(k, p) for k, p in zip(kinds, parts)]
-        return W4FLinear(torch.cat([p["codes"] for p in q]), torch.cat([p["scale"] for p in q]),
-                         torch.cat([p["zero"] for p in q]), bias)
+        return W4FLinear(_rows([p["codes"] for p in q]), _rows([p["scale"] for p in q]),
+                         _rows([p["zero"] for p in q]), bias)
     if cpu_kernels.w8a8() is None:
         return None
     q = [_as_q8g(k, p) for k, p in zip(kinds, parts)]
@@ -375,7 +380,7 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
         return torch.cat([p[key].to(dt) if p.get(key) is not None else
                           torch.full((p["codes"].shape[0], width), fill, dtype=dt) for p in q])
 
-    return W8GLinear(torch.cat([p["codes"] for p in q]), torch.cat([p["scale"].float() for p in q]),
+    return W8GLinear(_rows([p["codes"] for p in q]), _rows([p["scale"].float() for p in q]),
                      joined("zero", k_in // INT4_GROUP, 0.0, torch.float32), joined("sub", k_in // 16, 1, torch.int8),
                      bias)
 
