@@ -125,14 +125,11 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
         if qtype in (QT.Q4_0, QT.Q4_1):
             from augury.models.gguf import _repack_q4
 
-            class T:  # what _repack_q4 reads of a reader's tensor
-                tensor_type = qtype
-                shape = np.array([256, rows])
-                data = gguf.quants.quantize(np.random.default_rng(seed).standard_normal((rows, 256)).astype(np.float32),
-                                            qtype)
-            p = _repack_q4(T)
+            data = gguf.quants.quantize(np.random.default_rng(seed).standard_normal((rows, 256)).astype(np.float32),
+                                        qtype)  # [rows, row bytes], as a reader's tensor holds them
+            p = {k: torch.from_numpy(v) for k, v in _repack_q4(qtype, data).items()}
             from augury.models.quant import unpack_codes
-            return "int4", {**p, "codes": unpack_codes(p["codes"])}, reference(T.data.reshape(rows, 8, -1), qtype)
+            return "int4", {**p, "codes": unpack_codes(p["codes"])}, reference(data.reshape(rows, 8, -1), qtype)
         raw = blocks(qtype, rows, 256, seed)
         kind, p = gguf_blocks.decode(raw, qtype)
         p = {k: torch.from_numpy(v) for k, v in p.items()}

@@ -4,7 +4,10 @@ architectures (what each means: models/gguf_arch.py).
 The output folder holds config.json, model.safetensors (HF tensor names),
 generation_config.json and the tokenizer files (with the chat template), so any
 HF-folder loader, ours and transformers' included, can read it. Quantised tensors are
-dequantised with the `gguf` package and stored in `dtype`.
+dequantised with the `gguf` package and stored in `dtype`. Both weight files are written a tensor at
+a time as it is made (`_TensorWriter`), each tensor dequantised or decoded a chunk of rows at a time,
+so a conversion holds about one tensor beside the GGUF's mapped pages (a random 1B Q4_0: 1.1 GB peak,
+3.9 GB when the whole dense state dict was built before writing).
 
 For the llama architecture, llama.cpp's converter permutes the rows of attn_q / attn_k from
 HF's rotate-half RoPE layout (per head: first half of the pairs, then the second half) to the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,6 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from augury.models import gguf_blocks
 from augury.models.gguf_arch import ROPE_FREQS, arch_spec, expected_shapes, hf_name, read_config
@@ -50,8 +53,10 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _MISSING = object()
+_SIDE_PARTS = ("codes", "scale", "zero", "sub", "d", "dmin", "sc", "m", "high")  # a native tensor's, at most
 _Q4_TYPES = {gguf.GGMLQuantizationType.Q4_0: "Q4_0", gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
 _QK4 = 32  # elements per Q4_0 / Q4_1 block
+_CHUNK_ROWS = 2048  # rows dequantised or decoded at a time
 
 
 def _open(path: Path) -> gguf.GGUFReader:
@@ -89,15 +94,16 @@ def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _repack_q4(t: Any) -> dict[str, torch.Tensor]:
-    """A Q4_0 / Q4_1 tensor's blocks -> codes [N, K/2] uint8, scale [N, K/32] float16 (d, exact),
-    zero [N, K/32] float32 (0, or m + 8d rounded once), so that (q - 8) * scale + zero is the
-    block's value: Q4_0 d*(q-8), Q4_1 d*q + m."""
-    rows, cols = (int(d) for d in reversed(t.shape.tolist()))
-    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
-    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // _QK4, block_bytes)
+def _repack_q4(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows of Q4_0 / Q4_1 blocks (uint8 [N, K/32 * block bytes]) -> codes [N, K/2] uint8, scale
+    [N, K/32] float16 (d, exact), zero [N, K/32] float32 (0, or m + 8d rounded once), so that
+    (q - 8) * scale + zero is the block's value: Q4_0 d*(q-8), Q4_1 d*q + m."""
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+    cols = blocks.shape[1] * _QK4
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
-    if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         zero = (m.astype(np.float64) + 8.0 * d.astype(np.float64)).astype(np.float32)
         qs = blocks[..., 4:]
@@ -107,36 +113,95 @@ def _repack_q4(t: Any) -> dict[str, torch.Tensor]:
     # element j of a block: byte j's low nibble (j < 16), byte j-16's high nibble (j >= 16)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # [N, K] 0..15
     codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [N, K/2]
-    return {"codes": torch.from_numpy(codes), "scale": torch.from_numpy(d.copy()), "zero": torch.from_numpy(zero)}
+    return {"codes": codes, "scale": d.copy(), "zero": zero}
 
 
-def _native_parts(t: Any) -> tuple[str | None, dict[str, torch.Tensor]]:
-    """(kind, side-file parts) of a tensor augury runs natively, or (None, {}) for another type."""
-    if t.tensor_type in _Q4_TYPES:
-        return "int4", _repack_q4(t)
-    if t.tensor_type not in gguf_blocks.DECODERS:
+def _native_rows(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> tuple[str | None, dict[str, np.ndarray]]:
+    """(kind, side-file parts) of rows of a tensor augury runs natively (uint8 [N, row bytes]), or
+    (None, {}) for another type."""
+    if qtype in _Q4_TYPES:
+        return "int4", _repack_q4(qtype, data)
+    if qtype not in gguf_blocks.DECODERS:
         return None, {}
-    rows = int(t.shape.tolist()[-1]) if len(t.shape) > 1 else 1
-    block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
-    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
-    kind, parts = gguf_blocks.decode(blocks, t.tensor_type)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(data.shape[0], -1, block_bytes)
+    kind, parts = gguf_blocks.decode(blocks, qtype)
     if kind in ("q4k", "q5k"):  # the low four bits two a byte, as int4's; Q5_K's fifth bits eight a byte
         q = parts["codes"]
         parts["codes"] = ((q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
         if kind == "q5k":
             parts["high"] = np.packbits(q >> 4, axis=1, bitorder="little")  # [N, K/8]: bit j of byte i = k 8i + j
-    return kind, {k: torch.from_numpy(v) for k, v in parts.items()}
+    return kind, parts
+
+
+def _native_parts(t: Any) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """(kind, side-file parts) of a 2-D tensor augury runs natively, or (None, {}) for another type,
+    decoded _CHUNK_ROWS rows at a time (one chunk's temporaries beside the parts)."""
+    data = t.data.reshape(int(t.shape.tolist()[-1]), -1)  # [rows, row bytes]
+    kind, pieces = None, []
+    for a in range(0, data.shape[0], _CHUNK_ROWS):
+        kind, parts = _native_rows(t.tensor_type, data[a:a + _CHUNK_ROWS])
+        if kind is None:
+            return None, {}
+        pieces.append(parts)
+    if len(pieces) == 1:
+        return kind, {k: torch.from_numpy(v) for k, v in pieces[0].items()}
+    return kind, {k: torch.from_numpy(np.concatenate([p.pop(k) for p in pieces])) for k in list(pieces[0])}
 
 
 def _load_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
-    """One GGUF tensor -> torch tensor in `dtype`, shape in torch order (GGUF lists dims reversed)."""
+    """One GGUF tensor -> torch tensor in `dtype`, shape in torch order (GGUF lists dims reversed),
+    dequantised _CHUNK_ROWS rows at a time (float32 temporaries of one chunk, not of the tensor)."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    try:
-        array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # float32 (or float16 view)
-    except NotImplementedError as e:
-        raise ValueError(f"tensor {t.name!r} has unsupported quant type {t.tensor_type.name}") from e
-    array = np.array(array, dtype=np.float32).reshape(shape)  # copy: the reader's memmap is read-only
-    return torch.from_numpy(array).to(dtype)
+    rows = shape[0] if len(shape) > 1 else 1
+    data = t.data.reshape(rows, -1)
+    out = torch.empty((rows, int(np.prod(shape)) // rows), dtype=dtype)
+    for a in range(0, rows, _CHUNK_ROWS):
+        try:
+            array = gguf.quants.dequantize(data[a:a + _CHUNK_ROWS], t.tensor_type)  # float32 (or float16 view)
+        except NotImplementedError as e:
+            raise ValueError(f"tensor {t.name!r} has unsupported quant type {t.tensor_type.name}") from e
+        out[a:a + _CHUNK_ROWS] = torch.from_numpy(np.array(array, dtype=np.float32).reshape(len(array), -1))  # writable
+    return out.reshape(shape)
+
+
+class _TensorWriter:
+    """A safetensors file written a tensor at a time (8 bytes of header length, the JSON header, then
+    the tensors' bytes back to back): room for the header reserved first, bounded from the names to
+    come, each tensor appended as it is made, the header written last, padded with spaces (as the
+    format allows; safetensors' own writer pads too). Memory: the tensor being added."""
+
+    _ENTRY = 160  # bytes of header an entry may take beyond its name: dtype, a 2-D shape, two offsets
+    _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
+               torch.uint8: "U8"}
+
+    def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
+        self._room = 64 + len(json.dumps({"__metadata__": metadata})) + sum(len(n) + self._ENTRY for n in names)
+        self._room += -self._room % 8  # the data starts 8-byte aligned
+        self._header: dict[str, Any] = {"__metadata__": metadata}
+        self._offset = 0
+        self._f = open(path, "wb")
+        self._f.seek(8 + self._room)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+        self._f.write(memoryview(data))
+        self._header[name] = {"dtype": self._DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self._offset, self._offset + data.size]}
+        self._offset += data.size
+
+    def close(self) -> None:
+        header = json.dumps(self._header, separators=(",", ":")).encode()
+        if len(header) > self._room:
+            raise RuntimeError(f"safetensors header of {len(header)} bytes outgrew its {self._room} reserved")
+        self._f.seek(0)
+        self._f.write(struct.pack("<Q", self._room) + header + b" " * (self._room - len(header)))
+        self._f.close()
+
+    def abandon(self) -> None:
+        """Closes the file unfinished (its folder is being removed)."""
+        self._f.close()
 
 
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out: Path) -> None:
@@ -195,9 +260,14 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    writers: list[_TensorWriter] = []
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        int4: dict[str, torch.Tensor] = {}
+        # each tensor written as it is made: one tensor's dense and native forms in memory at a time
+        dense_file = _TensorWriter(staging / "model.safetensors", list(expected), {"format": "pt"})
+        writers.append(dense_file)
+        side_names = [f"{n}.{part}" for n in expected for part in _SIDE_PARTS]
+        int4 = _TensorWriter(staging / INT4_FILE, side_names, {"format": INT4_FORMAT})
+        writers.append(int4)
         source_types: dict[str, str] = {}
         kinds: dict[str, str] = {}
         for name, shape in expected.items():
@@ -217,12 +287,15 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
             if heads is not None:  # rows permute: so do the int4 rows with their codes and groups
                 w = _unpermute_rope_rows(w, heads)
                 parts = {k: _unpermute_rope_rows(v, heads) for k, v in parts.items()}
-            tensors[name] = w.contiguous()
-            int4.update({f"{name}.{k}": v.contiguous() for k, v in parts.items()})
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
-        if int4:
-            save_file(int4, str(staging / INT4_FILE), metadata={"format": INT4_FORMAT})
+            dense_file.add(name, w)
+            for k, v in parts.items():
+                int4.add(f"{name}.{k}", v)
+            del w, parts
+        dense_file.close()
+        int4.close()
+        if not kinds:
+            (staging / INT4_FILE).unlink()
+        else:
             index = {"format": INT4_FORMAT, "file": INT4_FILE, "group_size": _QK4,
                      "value": {"int4": "(q - 8) * scale + zero", "q4k": "d * sc * q - dmin * m",
                                "q5k": "d * sc * (q + 16 * high) - dmin * m", "q6k": "d * sub * q",
@@ -230,7 +303,6 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
                      "int4": sorted(n for n, k in kinds.items() if k == "int4"),
                      "kinds": kinds, "source_types": source_types}
             (staging / INT4_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        del int4
         _save_tokenizer(gguf_path, reader, staging)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
@@ -241,6 +313,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
             os.chmod(f, 0o644)
         os.rename(staging, out_dir)  # atomic on one filesystem; fails if out_dir appeared meanwhile
     except BaseException:
+        for writer in writers:
+            writer.abandon()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
