@@ -29,7 +29,7 @@ once its figures are as many steps old as the observations they rest on (an arm'
 steps, a request's decayed draws at its first level), the oldest per observation first (a request
 judged on two draws soon, one judged on twenty after twenty steps), when the bucket's exploration credit covers
 its expected loss against the rule's choice (its predicted time less the time the chosen option takes
-for its predicted tokens; an arm is re-measured for MIN_SEEN steps, a request tried for one). Every step
+for its predicted tokens), a step's: an arm is re-measured for MIN_SEEN steps, a request tried for one. Every step
 adds EXPLORE_SHARE of its seconds to the credit, and an exploring step takes what it actually lost
 (a new request's first step, which also feeds the head its prompt, at its price): exploration costs at
 most that share of the time, whatever the workload. An arm no bucket has measured has no prediction
@@ -230,7 +230,7 @@ class AdaptivePolicy(Acceptance):
                 if not whole:
                     continue
                 seconds = self._predict(bk, b, key, times, whole)[1]
-                loss = MIN_SEEN * seconds * (1.0 - self._rate(bk, b, key, times, whole) / best)
+                loss = seconds * (1.0 - self._rate(bk, b, key, times, whole) / best)  # its first step
             due.append((age / rests, key, loss))
         deepest = max((d for d in self.depths() if times[d] is not None), default=0)
         if owns is not None and deepest:
@@ -497,7 +497,7 @@ class AdaptivePolicy(Acceptance):
         loss = MIN_SEEN * (free.seconds() or t0) * (1.0 - got * t0 / batch_size)
         if loss > bk.credit:
             return False
-        bk.credit -= loss  # charged at once: its steps run as plain decisions of the rule
+        bk.credit -= loss  # charged at once, as expected: its steps follow the rule's plain decisions
         free.refresh()
         return True
 

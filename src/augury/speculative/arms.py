@@ -80,10 +80,11 @@ class Arm:
         return statistics.fmean(f for _, f in self.recent) if self.recent else 0.0
 
     def realized(self) -> float | None:
-        """Tokens per second as its last steps ran (None: fewer than MIN_SEEN)."""
+        """Tokens per second as its last steps ran: mean tokens over the trimmed mean seconds (one step a
+        busy neighbour stalled must not condemn the arm); None before MIN_SEEN steps."""
         if len(self.real) < MIN_SEEN:
             return None
-        return sum(k for k, _ in self.real) / max(sum(s for _, s in self.real), 1e-12)
+        return statistics.fmean(k for k, _ in self.real) / max(trimmed_mean([s for _, s in self.real]), 1e-12)
 
     def held(self, rate: float, plain: float) -> float:
         """The guard: a predicted tokens/s, or what the arm realized where that fell below GUARD_MARGIN

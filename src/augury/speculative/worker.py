@@ -129,7 +129,8 @@ class Speculator:
         # what each row's step is, in words, for the requests that asked (SamplingParams.return_token_sources)
         notes = self._notes(reqs, caps, why, shape is not None) if any(r.spec_steps is not None for r in reqs) \
             else None
-        if shape is None and self.policy.free_allowed(len(reqs)) and self._forced_only(host, reqs, notes):
+        if shape is None and not self.warming and self.policy.free_allowed(len(reqs)) and \
+                self._forced_only(host, reqs, notes):
             return True
         if shape is None or not host.reserve(reqs, lookahead):
             if notes is not None:
