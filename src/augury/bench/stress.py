@@ -50,7 +50,9 @@ class StressSettings:
     duration: float = 600.0
     max_tokens: int = 48
     seed: int = 0
-    first_sample: float = 60.0  # seconds into the load: the RSS and KV reference (at most a third of it)
+    # the RSS and KV reference: this many seconds into the full load (from the first sample with the batch full,
+    # or from the start if it never fills), and no later than half the load
+    first_sample: float = 60.0
     sample_every: float = 10.0
     request_timeout: float = 300.0
     replay_max: int = 400  # distinct deterministic bodies replayed one at a time
@@ -71,6 +73,14 @@ class Sample:
     running: float
     waiting: float
     kv_written_blocks: float = 0.0  # the cache's memory taken so far, in blocks (it grows as traffic writes it)
+
+
+def _reference_sample(samples: list[Sample], s: StressSettings, max_num_seqs: int | None) -> Sample | None:
+    """The RSS and KV reference: s.first_sample seconds into the load that keeps the batch full (memory that
+    follows the largest step, as activations of the fullest batch do, is then taken), no later than half the load."""
+    full = next((x.t for x in samples if max_num_seqs and x.running >= max_num_seqs), 0.0)
+    at = min(full + s.first_sample, s.duration / 2)
+    return next((x for x in samples if x.t >= at), samples[-1] if samples else None)
 
 
 def _kv_block_bytes(info: dict[str, Any]) -> int | None:
@@ -279,7 +289,7 @@ async def run_stress(s: StressSettings, log=print) -> dict[str, Any]:
         log(f"replay: distinct deterministic bodies one at a time (at most {s.replay_max})")
         replay = await _replay(s, base_url, results)
         after_replay, _ = await _settle(base_url)
-        first = next((x for x in samples if x.t >= min(s.first_sample, s.duration / 3)), samples[-1] if samples else None)
+        first = _reference_sample(samples, s, report["max_num_seqs"])
         report.update(
             requests=len(results), by_kind=by_kind(results), failures=failures(results),
             hostile_cases=hostile_cases(results),
@@ -350,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", type=_mix, default=d.mix, help="shares of request kinds, the rest as by default, e.g. "
                    f"hostile=0,drop=0 (no faults; no corpus sweep either); kinds: {', '.join(MIX)}")
     p.add_argument("--first-sample", type=float, default=d.first_sample,
-                   help="seconds into the load of the RSS/KV reference sample (at most a third of --duration)")
+                   help="seconds into the full load (from the batch's first filling) of the RSS/KV reference "
+                   "sample (at most half of --duration)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.add_argument("--replay-max", type=int, default=d.replay_max, help="distinct bodies replayed one at a time")
     p.add_argument("--replay-twice", action="store_true", help="replay each body twice alone and count the bodies "
