@@ -255,8 +255,9 @@ OPTIONS: tuple[Option, ...] = (
            "dtype of the KV cache: auto (the model's), bfloat16, float16, float32 or fp8 (= fp8_e4m3, CPUs "
            "only); keys and values are converted as they are written (a float32 cache holds a bfloat16 "
            "model's exactly, at twice the memory; a 16-bit cache halves a float32 model's; fp8 halves a "
-           "bfloat16 one's, rounding each key and value to 3 mantissa bits, no scale, +-448 at most: its effect "
-           "on greedy answers and acceptance is in docs/architecture.md)",
+           "bfloat16 one's, rounding each key and value to 3 mantissa bits, no scale, +-448 at most: on the "
+           "demo, 0 of 16 greedy answers stayed bfloat16's, their first differences a median 10.5 tokens in (of 128), "
+           "EAGLE-3 acceptance unchanged; docs/architecture.md)",
            metavar="DTYPE"),
     Option("num_kv_blocks", "--num-kv-blocks", int, "KV cache size in blocks; overrides --kv-cache-memory-gb",
            default_help="sized automatically, see --kv-cache-memory-gb", metavar="N"),
