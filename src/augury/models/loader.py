@@ -5,40 +5,21 @@ tensor in the checkpoint must be used: anything else is a ValueError naming the 
 """
 from __future__ import annotations
 
-import json
-import os
-import struct
-from collections.abc import Mapping
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from augury.models.checkpoint import Checkpoint, _read_part, checkpoint_files, shard_part
 from augury.models.config import TargetConfig
 from augury.models.dense import (bf16_panel_linears, fbgemm_half_available, pack_half_linears, packed_output_layer,
                                  row_padding)
 from augury.models.layers import Rotary
 from augury.models.llama import Collectives, Shard, TargetModel
-from augury.models.quant import INT4_FILE, INT4_INDEX
+from augury.models.quant import INT4_INDEX
 
 # Tensors some checkpoints carry that no forward needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{folder}: shard(s) named in model.safetensors.index.json are missing: {', '.join(missing)}")
-        return files
-    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT4_FILE)  # not the int4 side file
-    if not files:
-        raise ValueError(f"{folder} has no .safetensors weights (only safetensors checkpoints are supported)")
-    return files
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -48,122 +29,6 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
-
-
-class TensorFile:
-    """One safetensors file read with plain reads, a tensor (or a rank's rows of it) at a time: no
-    mmap, so the file's pages never count as this process's memory (a mapped file's touched pages
-    do, until it is closed: the whole side file's, during a GGUF load)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._f = open(path, "rb", buffering=0)
-        try:
-            (size,) = struct.unpack("<Q", self._f.read(8))
-            header = json.loads(self._f.read(size))
-        except (struct.error, ValueError) as e:
-            self._f.close()
-            raise ValueError(f"{path} is not a safetensors file ({e})") from e
-        header.pop("__metadata__", None)
-        self._start = 8 + size
-        self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {
-            name: (_SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]), *e["data_offsets"]) for name, e in header.items()}
-
-    def keys(self) -> list[str]:
-        return list(self._entries)
-
-    def shape(self, name: str) -> list[int]:
-        return list(self._entries[name][1])
-
-    def _read(self, offset: int, nbytes: int, buf: torch.Tensor | None = None) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
-        view, done = memoryview(buf.numpy()), 0
-        while done < nbytes:  # a read may return less than asked
-            got = os.preadv(self._f.fileno(), [view[done:]], self._start + offset + done)
-            if got <= 0:
-                raise ValueError(f"{self.path} is truncated")
-            done += got
-        return buf
-
-    def read_into(self, name: str, dest: torch.Tensor) -> bool:
-        """Tensor `name` read straight into `dest` (no copy beside it) where `dest` is a contiguous CPU
-        tensor of its dtype and size; False (nothing read) otherwise."""
-        dtype, shape, begin, end = self._entries[name]
-        if dest.dtype != dtype or dest.device.type != "cpu" or not dest.is_contiguous() or \
-                dest.numel() * dest.element_size() != end - begin or dest.numel() == 0:
-            return False
-        self._read(begin, end - begin, dest.view(-1).view(torch.uint8))
-        return True
-
-    def get_tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name`, or only its rows a..b-1 (dimension 0)."""
-        dtype, shape, begin, end = self._entries[name]
-        if rows is not None:
-            row = (end - begin) // max(1, shape[0])
-            begin, end = begin + rows[0] * row, begin + rows[1] * row
-            shape = [rows[1] - rows[0], *shape[1:]]
-        return self._read(begin, end - begin).view(dtype).reshape(shape)
-
-    def part(self, name: str, part: Part, per: int = 1) -> torch.Tensor:
-        """Only `part` (shard_part's) of tensor `name`, as _read_part gives it from safe_open (`per`
-        checkpoint values per stored column)."""
-        if part is None:
-            return self.get_tensor(name)
-        dim, a, b, _ = part
-        if dim == 0:
-            return self.get_tensor(name, (a, b))
-        return self.get_tensor(name)[:, a // per: b // per].contiguous()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> "TensorFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class Checkpoint(Mapping):
-    """A folder's safetensors files, open: name -> tensor, each read when asked for (one tensor's copy
-    at a time, never the whole state dict). A context manager; closes the files on exit."""
-
-    def __init__(self, folder: Path) -> None:
-        self._files = ExitStack()
-        self._where: dict[str, TensorFile] = {}
-        for file in checkpoint_files(folder):
-            f = self._files.enter_context(TensorFile(file))
-            self._where.update((name, f) for name in f.keys())
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def part(self, name: str, part: Part) -> torch.Tensor:
-        """Only `part` of tensor `name` (shard_part's)."""
-        return self._where[name].part(name, part)
-
-    def shape(self, name: str) -> list[int]:
-        return self._where[name].shape(name)
-
-    def read_into(self, name: str, dest: torch.Tensor) -> bool:
-        return self._where[name].read_into(name, dest)
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._files.close()
 
 
 def materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -264,42 +129,6 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
     return out
 
 
-# A checkpoint tensor's part on one tensor-parallel rank: (dimension, start, stop, full length) of the
-# tensor in the checkpoint; None: the whole tensor (norms, and row-parallel biases added once).
-Part = tuple[int, int, int, int] | None
-
-
-def shard_part(name: str, cfg: TargetConfig, shard: Shard) -> Part:
-    """Which part of HF tensor `name` rank `shard.rank` holds: q/k/v and gate/up by rows (its heads and
-    MLP columns), o/down by columns, the embedding and the output layer by vocabulary rows."""
-    hd = cfg.head_dim
-    (h0, h1), (k0, k1), (i0, i1), (v0, v1) = shard.heads, shard.kv_heads, shard.inter, shard.vocab
-    leaf = name.rsplit(".", 1)[-1]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (0, v0, v1, cfg.vocab_size)
-    if name.endswith("self_attn.q_proj." + leaf):
-        return (0, h0 * hd, h1 * hd, cfg.num_heads * hd)
-    if name.endswith(("self_attn.k_proj." + leaf, "self_attn.v_proj." + leaf)):
-        return (0, k0 * hd, k1 * hd, cfg.num_kv_heads * hd)
-    if name.endswith("self_attn.o_proj.weight"):
-        return (1, h0 * hd, h1 * hd, cfg.num_heads * hd)
-    if name.endswith(("mlp.gate_proj." + leaf, "mlp.up_proj." + leaf)):
-        return (0, i0, i1, cfg.intermediate_size)
-    if name.endswith("mlp.down_proj.weight"):
-        return (1, i0, i1, cfg.intermediate_size)
-    return None
-
-
-def _read_part(f, name: str, part: Part, per: int = 1) -> torch.Tensor:
-    """Only `part` of tensor `name` from an open safetensors file (`per` checkpoint values per stored
-    column: 2 for int4 codes packed two to a byte, 32 for per-group scales)."""
-    sl = f.get_slice(name)
-    if part is None:
-        return sl[:]
-    dim, a, b, _ = part
-    return sl[a:b] if dim == 0 else sl[:, a // per : b // per]
-
-
 def copy_sharded(targets: dict[str, torch.Tensor], folder: Path, cfg: TargetConfig, shard: Shard, where: str,
                  optional: tuple[str, ...] = ()) -> None:
     """copy_strict for one tensor-parallel rank: every name checked against the checkpoint's full
@@ -353,19 +182,6 @@ def load_embedding(folder: str | Path, dtype: torch.dtype, device: torch.device)
                     embed.weight.copy_(weight.to(dtype))
                 return embed.requires_grad_(False)
     raise ValueError(f"target checkpoint {folder}: missing tensor {name}")
-
-
-def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
-    """Module path of each linear in the target -> the HF weights whose rows it concatenates."""
-    out: dict[str, tuple[str, ...]] = {}
-    for i in range(len(model.layers)):
-        p, m = f"model.layers.{i}.", f"layers.{i}."
-        out[m + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")
-        out[m + "self_attn.o_proj"] = (p + "self_attn.o_proj.weight",)
-        out[m + "mlp.gate_up_proj"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-        out[m + "mlp.down_proj"] = (p + "mlp.down_proj.weight",)
-    out["lm_head"] = ("model.embed_tokens.weight",) if model.cfg.tie_word_embeddings else ("lm_head.weight",)
-    return out
 
 
 def resolve_quantization(folder: Path, quantization: str, dtype: torch.dtype,

@@ -25,7 +25,7 @@ import torch
 from augury.models import native, quant
 from augury.models.dense import packed_output_layer
 from augury.models.llama import TargetModel
-from augury.models.loader import TensorFile, fused_linears, shard_part
+from augury.models.checkpoint import TensorFile, shard_part
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,19 @@ def _put(model: TargetModel, path: str, new: torch.nn.Module, device: torch.devi
 def _dense_module(model: TargetModel, path: str) -> torch.nn.Module:
     # tied and not yet given its own copy: the output layer reads the embedding
     return model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
+
+
+def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
+    """Module path of each linear in the target -> the HF weights whose rows it concatenates."""
+    out: dict[str, tuple[str, ...]] = {}
+    for i in range(len(model.layers)):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        out[m + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")
+        out[m + "self_attn.o_proj"] = (p + "self_attn.o_proj.weight",)
+        out[m + "mlp.gate_up_proj"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        out[m + "mlp.down_proj"] = (p + "mlp.down_proj.weight",)
+    out["lm_head"] = ("model.embed_tokens.weight",) if model.cfg.tie_word_embeddings else ("lm_head.weight",)
+    return out
 
 
 def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.device,
