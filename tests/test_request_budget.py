@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from augury import LLM, SamplingParams
 from augury.core.request import Request
-from augury.speculative.adaptive import REQ_BACKOFF, AdaptivePolicy
+from augury.speculative.adaptive import EXPLORE_SHARE, AdaptivePolicy
 from augury.speculative.policy import StaticPolicy, TreeShape
 from policy_helpers import fake_clock, teach_times
 from speculative_helpers import checkpoints, make_target
@@ -39,17 +39,19 @@ def _teach(policy: AdaptivePolicy, shape: TreeShape, reqs: list[Request], accept
     for _ in range(times):
         policy.plan(reqs)  # (planning is where the spread of acceptance between requests is learned)
         policy.observe(len(reqs), shape, 0.05, list(accepted), timed=False, reqs=reqs)
-    for r in reqs:  # past their first try
-        policy._own(r).retry_at = None
+    for r in reqs:  # judged just now (the exploration rule tries it again once its draws are as old as many)
+        policy._own(r).last = policy.steps
 
 
 def _plan(policy: AdaptivePolicy, reqs: list[Request]):
-    """The rule's plan, skipping exploration steps (a plain one every EXPLORE_EVERY steps)."""
-    from augury.speculative.adaptive import EXPLORE_EVERY
-
-    bk = policy.buckets.get(__import__("augury.speculative.arms", fromlist=["bucket_of"]).bucket_of(len(reqs)))
-    if bk is not None and (bk.steps + 1) % EXPLORE_EVERY in (0, EXPLORE_EVERY // 2):
-        bk.steps += 1
+    """The rule's own plan: every figure fresh (each arm's timed steps and each request's draws as of
+    this step), so nothing is due for exploration (plain decoding or an arm re-measured, a request tried)."""
+    bk = policy._bucket(len(reqs))
+    bk.probe = None
+    for a in bk.arms.values():
+        a.last = bk.steps + 1
+    for r in reqs:
+        policy._own(r).last = policy.steps + 1
     return policy.plan(reqs)
 
 
@@ -100,8 +102,8 @@ def test_uniform_acceptance_matches_the_batch_level_choice(shape, accepted):
         reqs = [_req(i) for i in range(batch)]
         for p in (one, other):
             _teach(p, shape, [_req(-1)], [min(accepted, shape.num_steps)], times=5 * batch)
-        for r in reqs:  # each request's own rates are the batch's (nothing of its own yet), past its first try
-            other._own(r).retry_at = None
+        for r in reqs:  # each request's own rates are the batch's (nothing of its own yet), judged just now
+            other._own(r).last = other.steps
         want = one.choose(batch)
         plan = other.plan(reqs)
         assert plan.shape == want, (batch, accepted)
@@ -207,25 +209,33 @@ def test_requests_that_accept_alike_keep_the_batchs_rate():
             assert min(own[0::2]) > 0.8 and max(own[1::2]) < 0.3, own
 
 
-def test_alone_a_request_whose_last_drafts_failed_is_tried_again_with_growing_back_off():
-    """Batch 1: a request whose own drafts failed stops drafting, and is tried again on an optimistic
-    guess after REQ_BACKOFF steps, then after twice that, ... (nothing else would bring it back: no
-    other request drafts); a try that succeeds brings it back for good."""
+def test_alone_a_request_whose_last_drafts_failed_is_tried_again_within_the_credit():
+    """Batch 1: a request whose own drafts failed stops drafting, and is tried again now and then
+    (nothing else would bring it back: no other request drafts), its tries costing no more than the
+    exploration credit (EXPLORE_SHARE of the time); a try that succeeds brings it back for good."""
     policy = _policy(CHAIN)
     req = _req(1)
     _teach(policy, CHAIN, [req], [0], times=12)
-    tries, step = [], 0
-    while len(tries) < 3:
-        step += 1
-        assert step < 100 * REQ_BACKOFF
-        plan = _plan(policy, [req])
+    tries, spent, lost = 0, 0.0, 0.0
+    for _ in range(3000):
+        plan = policy.plan([req])
         if plan.drafting:
-            tries.append(step)
-            policy.observe(1, plan.shape, 0.05, [0], timed=False, reqs=[req])
-    assert tries[1] - tries[0] > tries[0] and tries[2] - tries[1] > tries[1] - tries[0]
+            tries += 1
+            seconds = 0.042 + 0.002 * plan.shape.num_drafts
+            policy.observe(1, plan.shape, seconds, [0], reqs=[req])
+            lost += seconds - 0.040
+        else:
+            seconds = 0.040
+            policy.observe_plain(1, seconds)
+        spent += seconds
+    assert tries >= 3 and lost <= EXPLORE_SHARE * spent + 0.052, (tries, lost, spent)
     # now it copies: one good try and it drafts every step
-    while not _plan(policy, [req]).drafting:
-        pass
+    for _ in range(3000):
+        plan = policy.plan([req])
+        if plan.drafting:
+            break
+        policy.observe_plain(1, 0.040)
+    assert plan.drafting
     for _ in range(3):
         policy.observe(1, CHAIN, 0.05, [5], timed=False, reqs=[req])
     assert all(_plan(policy, [req]).drafting for _ in range(10))

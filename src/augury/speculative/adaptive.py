@@ -262,6 +262,7 @@ class AdaptivePolicy(Acceptance):
         if key > 0:
             bk.probe, bk.probe_left = key, PROBE_STEPS - 1
             bk.arm(key).refresh()
+            bk.arm(key).last = bk.steps  # (re-measured now, if its steps all go untimed: not due again at once)
             bk.exploring = True
             log.debug("re-measuring depth %d at batch bucket %d", key, bucket_of(b))
             return self._count(key, self._whole(key, caps, expected), "probe", ("probe", key, 0.0, 0.0))
@@ -499,6 +500,7 @@ class AdaptivePolicy(Acceptance):
             return False
         bk.credit -= loss  # charged at once, as expected: its steps follow the rule's plain decisions
         free.refresh()
+        free.last = bk.steps
         return True
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
