@@ -13,6 +13,8 @@ Heavy imports (torch, transformers) happen inside functions, so importing this i
 """
 from __future__ import annotations
 
+import argparse
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -513,3 +515,21 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                            add_generation_prompt=True), add_special_tokens=False)
             for t in texts]
+
+
+def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random ordinary token ids (the low ids, often special tokens, are skipped)."""
+    rng = random.Random(seed * 1000 + batch_size)
+    low = min(16, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type of a comma-separated list of positive integers (--batch-sizes 1,8)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values

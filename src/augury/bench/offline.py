@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import sys
 import time
@@ -34,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from augury.bench import SHAPED, SYSTEMS, System, SystemSettings, count_parameters, random_llama, system_factory
+from augury.bench import (SHAPED, SYSTEMS, System, SystemSettings, count_parameters, int_list, make_prompts,
+                          random_llama, system_factory)
 from augury.bench.workloads import WORKLOADS
 from augury.config import OPTION, add_flags, one_line
 
@@ -118,13 +118,6 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s,
                                "median_cpu_s": self.median_cpu_s, "paired_ratio": self.paired_ratio}
-
-
-def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random ordinary token ids (the low ids, often special tokens, are skipped)."""
-    rng = random.Random(seed * 1000 + batch_size)
-    low = min(16, vocab_size // 2)
-    return [[rng.randrange(low, vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
 
 
 def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True,
@@ -433,16 +426,6 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{message} (see `{PROG} --help`)")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _key_values(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -479,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a .gguf file; the demo's own GGUF for --model demo)")
     p.add_argument("--random-config", type=_key_values, default={}, help="LlamaConfig overrides for --model random, "
                    "e.g. vocab_size=32000,tie_word_embeddings=false")
-    p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes,
+    p.add_argument("--batch-sizes", type=int_list, default=d.batch_sizes,
                    help="comma-separated batch sizes, each run on its own, e.g. 1,8")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len,
                    help=f"tokens per random prompt (default: {d.prompt_len}; chat prompts have their own)")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from augury.bench.offline import _int_list
+from augury.bench import int_list
 from augury.bench.scale_gguf import (DRAFT_VOCAB, FILE_TYPES, LLAMA3_VOCAB, SHAPES, ensure_gguf, file_bytes,
                                      write_eagle3_head)
 
@@ -65,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "Llama 3's; e.g. 49152 for a smaller output layer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (default 0)")
     p.add_argument("--threads", type=int, default=None, help="threads of every system (default: the CPU count)")
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8), help="decode batch sizes (default 1,8)")
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 8), help="decode batch sizes (default 1,8)")
     p.add_argument("--prompt-len", type=int, default=16, help="tokens of each decode prompt (default 16)")
     p.add_argument("--output-len", type=int, default=64, help="tokens each decode run generates (default 64)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt (default 512)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each figure (median; default 3)")
-    p.add_argument("--rows", type=_int_list, default=(1, 2, 4, 8, 16), help="row counts of the verification table")
+    p.add_argument("--rows", type=int_list, default=(1, 2, 4, 8, 16), help="row counts of the verification table")
     p.add_argument("--context", type=int, default=512, help="tokens before the verified rows (default 512)")
     p.add_argument("--row-repeats", type=int, default=5, help="paired repeats of the rows table (default 5)")
     p.add_argument("--spec-sizes", type=_list((*SHAPES, "none")), default=["8b"],

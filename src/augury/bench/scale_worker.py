@@ -42,7 +42,7 @@ def memory() -> dict[str, float]:
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    from augury.bench.offline import make_prompts
+    from augury.bench import make_prompts
 
     return make_prompts(batch, length, vocab - 256, seed)  # ordinary ids, below the special ones
 
