@@ -160,6 +160,7 @@ class AdaptivePolicy(Acceptance):
         plain = b / times[0]
         d, g, pick = self._best(bk, b, times, caps, expected)
         guarded = d > 0 and g <= plain < self._rate(bk, b, d, times, pick, held=False)
+        considered = d  # (the depth the rule weighed, for its reason)
         if g <= plain:
             d, pick = 0, {}
         bk.best = max(g, plain)
@@ -168,7 +169,15 @@ class AdaptivePolicy(Acceptance):
             return explored
         if d:
             return self._count(d, pick, "rule", ("on", d, g, plain))
-        return self._count(0, {}, "rule", ("guard", 0, g, plain) if guarded else ("off", d, g, plain))
+        if guarded:
+            a = bk.arm(considered)
+            due = max(1 + len(a.recent) - (bk.steps - (a.last or 0)), 0)
+            return self._count(0, {}, "rule", ("guard", due, g, plain))
+        if not considered:  # no allocation pays: the reason names what the whole shape would
+            considered = max((x for x in self.depths() if times[x] is not None), default=0)
+            whole = self._whole(considered, caps, expected) if considered else {}
+            g = self._rate(bk, b, considered, times, whole) if whole else 0.0
+        return self._count(0, {}, "rule", ("off", considered if g else 0, g, plain))
 
     def _best(self, bk: Bucket, b: int, times: list[float | None], caps, expected: list[Expected]
               ) -> tuple[int, float, dict[int, tuple[int, float]]]:

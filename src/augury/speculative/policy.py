@@ -56,8 +56,9 @@ def reason(why: Why) -> str:
         "threshold": f"more requests running than the disable threshold ({n})",
         "none": "no request in the batch may draft",
         "measure-plain": "measuring plain decoding first (nothing is assumed about this machine)",
-        "probe": f"measuring drafting depth {n} afresh here (its step time and the requests' acceptance)",
-        "guard": f"off by the guard: drafting's realized tok/s, held to what it delivered, lost to plain's ({rates})",
+        "probe": f"probing drafting depth {n}: measuring its step time and the requests' acceptance afresh here",
+        "guard": f"off by the guard: drafting's realized tok/s lost to plain decoding's; probed again in {n} steps "
+                 "at the soonest",
         "explore": f"a plain step to keep measuring plain decoding while drafting pays ({rates})",
         "try": f"a request left out tried again, its figures measured afresh ({rates})",
         "on": f"on: {rates}",
