@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from augury.bench.rows import host_levels
+
 
 def _spec_llm(steps: int):
     from augury import LLM
@@ -181,12 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(_cost_worker(args.steps, args.tokens, args.context, args.repeats, args.inner)), flush=True)
         return
-    from augury.cpu import isa
-
-    levels = args.isa.split(",") if args.isa else [lv for lv in isa.LEVELS if isa.allowed_on_host(lv)]
-    for lv in [lv for lv in levels if not isa.allowed_on_host(lv)]:
-        print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
-    levels = [lv for lv in levels if isa.allowed_on_host(lv)]
+    levels = host_levels(args.isa)
     runs: dict[str, list[dict]] = {lv: [] for lv in levels}
     for p in range(max(args.processes, 1)):
         for lv in levels if p % 2 == 0 else levels[::-1]:

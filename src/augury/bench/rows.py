@@ -78,6 +78,17 @@ def time_rows(llm, context: int, rows: tuple[int, ...], repeats: int, inner: int
             "ratio": {r: statistics.median(t / d for t, d in zip(times[r], times[1])) for r in rows}}
 
 
+def host_levels(spec: str | None) -> list[str]:
+    """The ISA levels asked for (comma-separated; default every level this CPU runs), those the CPU
+    cannot run said on stderr and dropped."""
+    from augury.cpu import isa
+
+    levels = spec.split(",") if spec else [lv for lv in isa.LEVELS if isa.allowed_on_host(lv)]
+    for lv in [lv for lv in levels if not isa.allowed_on_host(lv)]:
+        print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
+    return [lv for lv in levels if isa.allowed_on_host(lv)]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m augury.bench.rows", description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=200, help="tokens in the cache before the rows (default 200)")
@@ -100,12 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(args.threads)
         print(json.dumps(_worker(args.context, rows, args.repeats, args.inner, args.warmup)), flush=True)
         return
-    from augury.cpu import isa
-
-    levels = args.isa.split(",") if args.isa else [lv for lv in isa.LEVELS if isa.allowed_on_host(lv)]
-    for lv in [lv for lv in levels if not isa.allowed_on_host(lv)]:
-        print(f"{lv}: not on this CPU, skipped", file=sys.stderr)
-    levels = [lv for lv in levels if isa.allowed_on_host(lv)]
+    levels = host_levels(args.isa)
     runs: dict[str, list[dict]] = {lv: [] for lv in levels}
     processes = max(args.processes, 1)
     for p in range(processes):  # the levels' order alternates between rounds
