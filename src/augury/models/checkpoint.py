@@ -1,7 +1,8 @@
 """A checkpoint folder's safetensors files, read a tensor (or a tensor-parallel rank's part) at a time.
 
 `TensorFile` reads with plain reads, no mmap: a mapped file's touched pages count as the process's
-memory until it is closed (a whole side file's, during a GGUF load). `Checkpoint` is a folder's files
+memory until it is closed (a whole side file's, during a GGUF load); `TensorWriter` writes one a
+tensor at a time (a GGUF conversion, the packed-layout cache). `Checkpoint` is a folder's files
 as a name -> tensor mapping that reads each tensor when asked, straight into its destination where
 the dtypes agree. `shard_part` says which part of a tensor a rank holds.
 """
@@ -13,12 +14,14 @@ import struct
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from augury.models.config import TargetConfig
 from augury.models.llama import Shard
-from augury.models.quant import INT4_FILE
+from augury.models.quant import INT4_FILE, PACKED_PREFIX
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -30,7 +33,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{folder}: shard(s) named in model.safetensors.index.json are missing: {', '.join(missing)}")
         return files
-    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT4_FILE)  # not the int4 side file
+    # not the native side file nor the packed layouts' cache
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT4_FILE and not f.name.startswith(PACKED_PREFIX))
     if not files:
         raise ValueError(f"{folder} has no .safetensors weights (only safetensors checkpoints are supported)")
     return files
@@ -55,7 +59,7 @@ class TensorFile:
         except (struct.error, ValueError) as e:
             self._f.close()
             raise ValueError(f"{path} is not a safetensors file ({e})") from e
-        header.pop("__metadata__", None)
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._start = 8 + size
         self._entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {
             name: (_SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]), *e["data_offsets"]) for name, e in header.items()}
@@ -113,6 +117,44 @@ class TensorFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TensorWriter:
+    """A safetensors file written a tensor at a time (8 bytes of header length, the JSON header, then
+    the tensors' bytes back to back): room for the header reserved first, bounded from the names to
+    come, each tensor appended as it is made, the header written last, padded with spaces (as the
+    format allows; safetensors' own writer pads too). Memory: the tensor being added."""
+
+    _ENTRY = 160  # bytes of header an entry may take beyond its name: dtype, a 2-D shape, two offsets
+    _DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+    def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
+        self._room = 64 + len(json.dumps({"__metadata__": metadata})) + sum(len(n) + self._ENTRY for n in names)
+        self._room += -self._room % 8  # the data starts 8-byte aligned
+        self._header: dict[str, Any] = {"__metadata__": metadata}
+        self._offset = 0
+        self._f = open(path, "wb")
+        self._f.seek(8 + self._room)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+        self._f.write(memoryview(data))
+        self._header[name] = {"dtype": self._DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self._offset, self._offset + data.size]}
+        self._offset += data.size
+
+    def close(self) -> None:
+        header = json.dumps(self._header, separators=(",", ":")).encode()
+        if len(header) > self._room:
+            raise RuntimeError(f"safetensors header of {len(header)} bytes outgrew its {self._room} reserved")
+        self._f.seek(0)
+        self._f.write(struct.pack("<Q", self._room) + header + b" " * (self._room - len(header)))
+        self._f.close()
+
+    def abandon(self) -> None:
+        """Closes the file unfinished (its folder is being removed)."""
+        self._f.close()
 
 
 class Checkpoint(Mapping):

@@ -5,7 +5,7 @@ The output folder holds config.json, model.safetensors (HF tensor names),
 generation_config.json and the tokenizer files (with the chat template), so any
 HF-folder loader, ours and transformers' included, can read it. Quantised tensors are
 dequantised with the `gguf` package and stored in `dtype`. Both weight files are written a tensor at
-a time as it is made (`_TensorWriter`), each tensor dequantised or decoded a chunk of rows at a time,
+a time as it is made (`TensorWriter`), each tensor dequantised or decoded a chunk of rows at a time,
 so a conversion holds about one tensor beside the GGUF's mapped pages (a random 1B Q4_0: 1.1 GB peak,
 3.9 GB when the whole dense state dict was built before writing).
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from augury.models import gguf_blocks
+from augury.models.checkpoint import TensorWriter
 from augury.models.gguf_arch import ROPE_FREQS, arch_spec, expected_shapes, hf_name, read_config
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
@@ -165,45 +165,6 @@ def _load_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(shape)
 
 
-class _TensorWriter:
-    """A safetensors file written a tensor at a time (8 bytes of header length, the JSON header, then
-    the tensors' bytes back to back): room for the header reserved first, bounded from the names to
-    come, each tensor appended as it is made, the header written last, padded with spaces (as the
-    format allows; safetensors' own writer pads too). Memory: the tensor being added."""
-
-    _ENTRY = 160  # bytes of header an entry may take beyond its name: dtype, a 2-D shape, two offsets
-    _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
-               torch.uint8: "U8"}
-
-    def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
-        self._room = 64 + len(json.dumps({"__metadata__": metadata})) + sum(len(n) + self._ENTRY for n in names)
-        self._room += -self._room % 8  # the data starts 8-byte aligned
-        self._header: dict[str, Any] = {"__metadata__": metadata}
-        self._offset = 0
-        self._f = open(path, "wb")
-        self._f.seek(8 + self._room)
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-        self._f.write(memoryview(data))
-        self._header[name] = {"dtype": self._DTYPES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [self._offset, self._offset + data.size]}
-        self._offset += data.size
-
-    def close(self) -> None:
-        header = json.dumps(self._header, separators=(",", ":")).encode()
-        if len(header) > self._room:
-            raise RuntimeError(f"safetensors header of {len(header)} bytes outgrew its {self._room} reserved")
-        self._f.seek(0)
-        self._f.write(struct.pack("<Q", self._room) + header + b" " * (self._room - len(header)))
-        self._f.close()
-
-    def abandon(self) -> None:
-        """Closes the file unfinished (its folder is being removed)."""
-        self._f.close()
-
-
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, out: Path) -> None:
     """Builds the tokenizer through transformers' GGUF support and saves it (with chat template)."""
     from transformers import AutoTokenizer  # heavy import, only needed here
@@ -260,13 +221,13 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    writers: list[_TensorWriter] = []
+    writers: list[TensorWriter] = []
     try:
         # each tensor written as it is made: one tensor's dense and native forms in memory at a time
-        dense_file = _TensorWriter(staging / "model.safetensors", list(expected), {"format": "pt"})
+        dense_file = TensorWriter(staging / "model.safetensors", list(expected), {"format": "pt"})
         writers.append(dense_file)
         side_names = [f"{n}.{part}" for n in expected for part in _SIDE_PARTS]
-        int4 = _TensorWriter(staging / INT4_FILE, side_names, {"format": INT4_FORMAT})
+        int4 = TensorWriter(staging / INT4_FILE, side_names, {"format": INT4_FORMAT})
         writers.append(int4)
         source_types: dict[str, str] = {}
         kinds: dict[str, str] = {}

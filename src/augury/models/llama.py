@@ -128,8 +128,8 @@ class VocabShardEmbedding(nn.Embedding):
     """This rank's rows [start, start + num_embeddings) of the embedding: a token outside them looks up
     zeros, so the sum over ranks (TargetModel.forward) is the full lookup, exactly."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, start: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int, _weight: torch.Tensor | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, _weight=_weight)
         self.start = start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -137,6 +137,18 @@ class VocabShardEmbedding(nn.Embedding):
         inside = (local >= 0) & (local < self.num_embeddings)
         out = super().forward(torch.where(inside, local, torch.zeros_like(local)))
         return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def _embedding(vocab: int, hidden: int, shard: Shard | None) -> nn.Embedding:
+    """The embedding, its weight drawn from N(0, 1) as nn.Embedding's own unless it is on the meta
+    device (a model about to be loaded): torch's meta normal_ is a Python reference whose first call
+    imports torch._dynamo (1.6 s and ~150 MB of a start)."""
+    weight = torch.empty(vocab, hidden)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    weight = nn.Parameter(weight)
+    return VocabShardEmbedding(vocab, hidden, shard.vocab[0], _weight=weight) if shard else \
+        nn.Embedding(vocab, hidden, _weight=weight)
 
 
 class Norm(Watched, RMSNorm):
@@ -234,8 +246,7 @@ class TargetModel(Watched, nn.Module):
         cfg = shard.local_config(cfg) if shard is not None else cfg
         self.cfg = cfg  # this process's shapes (the whole model's without tensor parallelism)
         self.quantization = "none"  # the linears' mode once loaded: "none", "int8" or "int4" (models/quant.py)
-        self.embed_tokens = (VocabShardEmbedding(cfg.vocab_size, cfg.hidden_size, shard.vocab[0]) if shard
-                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size, shard)
         self.layers = LayerList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

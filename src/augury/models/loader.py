@@ -82,10 +82,9 @@ def target_weight_map(model: TargetModel) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     dense = lambda m: isinstance(m, torch.nn.Linear)  # noqa: E731
-    out: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": model.embed_tokens.weight,
-        "model.norm.weight": model.norm.weight,
-    }
+    out: dict[str, torch.Tensor] = {"model.norm.weight": model.norm.weight}
+    if isinstance(model.embed_tokens, torch.nn.Embedding):  # not one kept in its GGUF type (native_embed.py)
+        out["model.embed_tokens.weight"] = model.embed_tokens.weight
     if dense(model.lm_head):
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
@@ -233,13 +232,20 @@ def load_target(
     # A tied model may still carry lm_head.weight (a copy of the embedding); it is unused.
     optional: tuple[str, ...] = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     where = f"target checkpoint {folder}"
-    plan = None
+    plan = packed = None
     with Checkpoint(folder) as checkpoint:  # each tensor read when copied: no second copy of the weights
         if mode == "gguf-int4":  # the native linears first, each from the side file into its kernel's layout
-            from augury.models import native_load
+            from augury.models import native_load, packed_cache
 
-            plan = native_load.swap_in(model, folder, dtype, device, lambda n: checkpoint.part(
-                n, None if shard is None else shard_part(n, cfg, shard)))
+            # a start after the first reads the kernels' layouts as the first packed them (packed_cache.py)
+            packed = packed_cache.key(folder, dtype, device) if shard is None and device.type == "cpu" else None
+            kept = None if packed is None else packed_cache.load(folder, packed)
+            if kept is not None:
+                plan = packed_cache.restore(model, *kept)
+                packed = None  # nothing to write
+            else:
+                plan = native_load.swap_in(model, folder, dtype, device, lambda n: checkpoint.part(
+                    n, None if shard is None else shard_part(n, cfg, shard)))
             optional += tuple(sorted(plan.covered))
         materialise(model, device, dtype)  # what is left: embedding, norms, linears not native
         if shard is None:
@@ -251,6 +257,8 @@ def load_target(
     if plan is not None:
         native_load.finish(model, plan, dtype, device)
         model.quantization = "int4"
+        if packed is not None:
+            packed_cache.save(model, folder, packed, packed_cache.plan_state(model, plan))
     else:
         from augury.models.quant import quantize_model
 

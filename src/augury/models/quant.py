@@ -40,6 +40,7 @@ MODES = ("none", "int8", "int4")
 # Native int4 weights a GGUF conversion writes beside the dense ones (models/gguf.py)
 INT4_FILE = "augury-int4.safetensors"
 INT4_INDEX = "augury-quant.json"
+PACKED_PREFIX = "augury-packed-"  # the kernels' packed layouts of a later start (models/packed_cache.py)
 INT4_FORMAT = "augury-int4-v2"  # v2: Q4_K ("q4k") and Q8_0 / Q6_K / Q5_* ("q8g") too (models/native.py)
 INT4_FORMATS = ("augury-int4-v1", INT4_FORMAT)  # v1 folders: Q4_0 / Q4_1 only
 INT4_GROUP = 32
