@@ -22,6 +22,7 @@ import torch
 from augury.cpu import kernels as cpu_kernels
 from augury.cpu import threads as cpu_threads
 from augury.models.fused import DENSE, epoch, linear_fields
+from augury.models.native_embed import PackedEmbedding
 from augury.models.quant import W8A8OutputLinear
 
 NFIELDS = 40  # csrc/head.cpp's HeadField order
@@ -66,8 +67,9 @@ class FusedHead:
                                 head.fc.in_features)) or cfg.head_dim % 8 or cfg.head_dim > 512 \
                 or cfg.num_heads % cfg.num_kv_heads:
             return None
-        emb = head.embed.weight
-        if emb.dtype != torch.bfloat16 or not emb.is_contiguous() or emb.device.type != "cpu":
+        emb = head.embed  # a packed one (models/native_embed.py) hands the kernel the rows looked up
+        if not isinstance(emb, PackedEmbedding) and (emb.weight.dtype != torch.bfloat16 or not emb.weight.is_contiguous()
+                                                     or emb.weight.device.type != "cpu"):
             return None
         if any(_fields(lin) is None for lin in _linears(head)) or _columns(head.lm_head) % 16:
             return None  # the kernel's logit rows are whole panels of 16
@@ -127,7 +129,11 @@ class FusedHead:
         if cache_k.dtype != torch.bfloat16 or cache_v.dtype != torch.bfloat16 or not cache_k.is_contiguous() \
                 or not cache_v.is_contiguous():
             raise ValueError("the head kernel reads a contiguous bfloat16 cache")
-        emb = self.head.embed.weight
+        emb = self.head.embed
+        if isinstance(emb, PackedEmbedding):  # the tokens' rows alone as the table: no dense copy of it
+            emb, tokens = emb(torch.from_numpy(tokens)).contiguous(), np.arange(t, dtype=np.int64)
+        else:
+            emb = emb.weight
         rc = self.kernel.run(
             self._current().data_ptr(), t, self.h, self.aux_width if aux is not None else 0, self.nh, self.nkv,
             self.hd, self.inter, self.eps, None if aux is None else aux.data_ptr(), h.data_ptr(), tokens.ctypes.data,

@@ -166,7 +166,7 @@ class FusedStack:
     def build(model) -> "FusedStack | None":
         """The plan for `model`, or None where the fused kernel cannot take it."""
         cfg = model.cfg
-        if cfg.qk_norm or model.embed_tokens.weight.device.type != "cpu" or model.quantization not in ("int4", "none"):
+        if cfg.qk_norm or model.norm.weight.device.type != "cpu" or model.quantization not in ("int4", "none"):
             return None
         # the kernel's shape limits (kernels/forward.cpp): widths in whole groups of 32, heads of 8..512
         if any(x % 32 for x in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)) \

@@ -1,0 +1,141 @@
+"""A GGUF token embedding kept in its own format: only the rows looked up are dequantised.
+
+A model's token embedding is its largest tensor after the output layer (Llama-3.2-1B: 128256 x 2048,
+525 MB in bfloat16); a step looks up a few of its rows. `PackedEmbedding` holds the table as one
+native linear of the GGUF type (models/native.py: Q4_K / Q5_K on W4KLinear, Q6_K on W6KLinear,
+Q8_0 / Q5_0 / Q5_1 on W8GLinear, 4.6 to 9.5 bits a weight), whose buffers are panels of 16 rows, and
+a lookup dequantises just the panels holding the ids asked for (each once), through the linear's own
+`dequantize()`, and picks the rows. Every format's values are exact in float32 and are rounded once to
+bfloat16, so the rows are the dense bfloat16 embedding a conversion writes (gguf-py's values rounded
+the same way), bit for bit. Q4_0 / Q4_1 are held on W4FLinear (w = q d + m, float32 per 32: 6 bits
+a weight) instead of the int4 linear's bfloat16 scales, which would round d; Q4_0's rows are computed
+as d (q - 8), as gguf-py does (q d - 8 d gives the same numbers but +0.0 where d (q - 8) is -0.0).
+The kernels never multiply this table: the tied output layer, where there is one, is its own module
+(models/native_load.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from augury.cpu import kernels as cpu_kernels
+from augury.models import native
+from augury.models.fused import KernelModule
+from augury.models.quant import INT4_N_MULTIPLE
+
+PANELS_AT_ONCE = 64  # panels of 16 rows dequantised at a time: float32 temporaries of 1024 rows
+
+
+def _padded(part: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """A tensor's parts with zero rows to `rows` (a whole number of panels): values 0, never looked up."""
+    return {k: torch.cat([v, v.new_zeros(rows - v.shape[0], *v.shape[1:])]) if v.shape[0] < rows else v
+            for k, v in part.items()}
+
+
+def _q4_as_w4f(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """An int4 part (Q4_0 / Q4_1: w = (q - 8) d + z, z = 0 or fl32(m + 8 d)) as w = q d + m exactly, or
+    None where m cannot be told from z (fl32(m + 8 d) the same for two float16 values m)."""
+    d = part["scale"].numpy().astype(np.float16)  # the side file's float16 d
+    z = part["zero"].numpy().astype(np.float32)
+    eight_d = 8.0 * d.astype(np.float64)
+    m = (z.astype(np.float64) - eight_d).astype(np.float16)  # Q4_0: -8 d exactly
+
+    def gives_z(x: np.ndarray) -> np.ndarray:
+        return (x.astype(np.float64) + eight_d).astype(np.float32) == z  # the conversion's own rounding
+
+    up, down = np.nextafter(m, np.float16(np.inf)), np.nextafter(m, np.float16(-np.inf))
+    if not (np.isfinite(m).all() and gives_z(m).all() and not gives_z(up).any() and not gives_z(down).any()):
+        return None
+    return {"codes": part["codes"], "scale": torch.from_numpy(d.astype(np.float32)),
+            "zero": torch.from_numpy(m.astype(np.float32))}
+
+
+def _subset(table: nn.Module, panels: torch.Tensor) -> nn.Module:
+    """`table` restricted to some of its panels: a detached copy of the module whose buffers are those
+    panels alone (every packed buffer's first dimension), for its own dequantize(). Built without
+    __setattr__, so nothing marks the fused tables stale."""
+    sub = object.__new__(type(table))
+    sub.__dict__.update(table.__dict__)
+    sub.__dict__["_buffers"] = {k: None if v is None else v.index_select(0, panels) for k, v in table._buffers.items()}
+    return sub
+
+
+class PackedEmbedding(KernelModule, nn.Module):
+    """The token embedding [num_embeddings, embedding_dim] in a GGUF type's own values, looked up a
+    panel of 16 rows at a time (bfloat16 rows, CPU)."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, table: nn.Module, num_embeddings: int, q4_0: bool = False) -> None:
+        """table: a native linear of [num_embeddings rounded up to 16, embedding_dim] (build()); q4_0: a
+        W4FLinear holding Q4_0, whose values are computed as gguf-py does, d (q - 8)."""
+        super().__init__()
+        if table.out_features < num_embeddings or table.out_features % INT4_N_MULTIPLE:
+            raise ValueError(f"a table of {table.out_features} rows cannot hold {num_embeddings} embeddings")
+        self.table = table
+        self.num_embeddings, self.embedding_dim = num_embeddings, table.in_features
+        self.dtype = torch.bfloat16
+        self.q4_0 = q4_0
+
+    @staticmethod
+    def build(kind: str, part: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+              source: str | None = None) -> "PackedEmbedding | None":
+        """From one GGUF tensor's native parts (models/native_load's read: codes [V, H] a byte a code,
+        its scales; source its GGUF type, as the side file's index names it), or None where it cannot be
+        held packed here (another dtype or device, no kernel to pack for, a Q4_1 zero whose m is
+        ambiguous): the caller keeps the embedding dense."""
+        if dtype != torch.bfloat16 or device.type != "cpu" or kind not in native.KINDS:
+            return None
+        vocab = part["codes"].shape[0]
+        part = _padded(part, -(-vocab // INT4_N_MULTIPLE) * INT4_N_MULTIPLE)
+        if kind != "int4":
+            table = native.build([kind], [part], None, dtype, device)
+            return None if table is None else PackedEmbedding(table, vocab)
+        w4f = _q4_as_w4f(part)
+        if w4f is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32:
+            return None
+        q4_0 = source == "Q4_0" or (source is None and not part["zero"].any())  # an index without types: Q4_0's zeros
+        return PackedEmbedding(native.W4FLinear(w4f["codes"], w4f["scale"], w4f["zero"], None), vocab, q4_0)
+
+    def _values(self, panels: torch.Tensor) -> torch.Tensor:
+        """The float32 values of some panels [16 n, H], each as gguf-py computes it."""
+        sub = _subset(self.table, panels)
+        if not self.q4_0:
+            return sub.dequantize()
+        # d (q - 8) rather than q d - 8 d: the same numbers, and a zero's sign as d's (-0.0 where d < 0)
+        codes, scale, _ = cpu_kernels.W4A8.unpack(sub.codes, sub.scale, sub.zero)
+        n, k = codes.shape
+        return (scale[..., None] * (codes.float() - 8.0).view(n, k // 32, 32)).reshape(n, k)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 in range -> [T, H] bfloat16, dequantising each panel they touch once."""
+        panels, which = torch.unique(torch.div(ids, INT4_N_MULTIPLE, rounding_mode="floor"), return_inverse=True)
+        rows = which * INT4_N_MULTIPLE + ids % INT4_N_MULTIPLE  # each id's row among the panels' rows
+        if panels.numel() <= PANELS_AT_ONCE:
+            values = self._values(panels)  # float32 [16 n, H]
+            return torch.index_select(values, 0, rows).to(self.dtype)
+        out = torch.empty(ids.numel(), self.embedding_dim, dtype=self.dtype)
+        for a in range(0, panels.numel(), PANELS_AT_ONCE):
+            values = self._values(panels[a:a + PANELS_AT_ONCE])
+            pos = torch.nonzero((which >= a) & (which < a + PANELS_AT_ONCE)).squeeze(1)
+            out[pos] = torch.index_select(values, 0, rows[pos] - a * INT4_N_MULTIPLE).to(self.dtype)
+        return out
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> [..., embedding_dim] bfloat16: the dense embedding's rows, bit for bit."""
+        ids = input_ids.reshape(-1).long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        out = self._rows(ids.cpu()) if ids.numel() else torch.empty(0, self.embedding_dim, dtype=self.dtype)
+        return out.to(input_ids.device).view(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantised [num_embeddings, embedding_dim] bfloat16 (a new tensor each call:
+        for rare whole-table uses, never a step's)."""
+        return self._rows(torch.arange(self.num_embeddings))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, packed as {type(self.table).__name__}"
