@@ -24,6 +24,7 @@ from augury.models.dense import HalfPackedLinear, fbgemm_half_available
 from augury.models.eagle3_head import load_eagle3
 from augury.models.gguf import INT4_FILE, INT4_INDEX, convert_gguf_to_hf
 from augury.models.loader import load_target
+from augury.models.native_embed import PackedEmbedding
 from augury.models.quant import Int4Linear, Int8Linear, int4_values, quantize_head
 from speculative_helpers import make_target, random_head
 
@@ -330,10 +331,12 @@ def test_gguf_q4_runs_natively_with_gguf_values(q4_gguf, dtype) -> None:
         groups = emb.view(emb.shape[0], -1, 32).abs().amax(-1, keepdim=True)
         err = (model.lm_head.weight - emb).view(emb.shape[0], -1, 32).abs()
         assert (err <= groups / 254 * 1.001).all()  # half a step of max |w| / 127 per group
+        # the embedding beside it stays in Q8_0 (models/native_embed.py)
+        assert isinstance(model.embed_tokens, PackedEmbedding)
     else:
         packed = dtype != torch.float32 and fbgemm_half_available(dtype, torch.device("cpu"))
         assert isinstance(model.lm_head, HalfPackedLinear if packed else Int8Linear)
-    assert isinstance(model.embed_tokens, torch.nn.Embedding)
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)
 
 
 def test_gguf_auto_is_native_int4_in_16_bit_and_dense_in_float32(q4_gguf) -> None:

@@ -4,10 +4,12 @@ models/loader.load_target builds the target on the meta device, then `swap_in` b
 the side file (gguf.INT4_FILE) can run natively, one at a time: its tensors' blocks read from the
 file's mmap (this rank's part under tensor parallelism), packed for its kernel (models/native.py),
 put in the model's place; only the temporaries of one linear live beside the weights built so far.
-No dense copy of those linears is ever made: the loader then materialises and copies only what is
-left (embedding, norms, linears with no native kind), and `finish` gives those linears their
-fallbacks (the output layer on the w8a8 kernel or fbgemm, Q8_0 as int8 per channel), which need
-the dense weights. The codes travel as uint8 (a byte a code) until packed.
+No dense copy of those linears is ever made, nor of the token embedding where it stays in its GGUF
+type (models/native_embed.py: bfloat16 on the CPU, unsharded, and a tied output layer built on its
+own): the loader then materialises and copies only what is left (norms, linears with no native kind,
+an embedding kept dense), and `finish` gives those linears their fallbacks (the output layer on the
+w8a8 kernel or fbgemm, Q8_0 as int8 per channel), which need the dense weights. The codes travel as
+uint8 (a byte a code) until packed.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ import torch
 from augury.models import native, quant
 from augury.models.dense import packed_output_layer
 from augury.models.llama import TargetModel
+from augury.models.native_embed import PackedEmbedding
 from augury.models.checkpoint import TensorFile, shard_part
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
 log = logging.getLogger(__name__)
 _FLOAT_SOURCES = ("F32", "F16", "BF16")
+EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass
@@ -96,6 +100,27 @@ def _dense_module(model: TargetModel, path: str) -> torch.nn.Module:
     return model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
 
 
+def _pack_embedding(model: TargetModel, kind: str | None, read: Callable[[str], dict[str, torch.Tensor]],
+                    plan: NativePlan, dtype: torch.dtype, device: torch.device) -> None:
+    """The token embedding kept in its GGUF type (models/native_embed.py), no dense copy made: where it
+    has a native kind, the model runs bfloat16 on the CPU, whole (a tensor-parallel rank keeps its
+    vocabulary rows dense) and, tied, its output layer was built on its own (else that layer reads the
+    dense table, which stays)."""
+    if kind is None or model.shard is not None or model.lm_head is None or dtype != torch.bfloat16 \
+            or device.type != "cpu":
+        return
+    part = read(EMBEDDING)
+    want = tuple(model.embed_tokens.weight.shape)
+    if tuple(part["codes"].shape) != want:
+        raise ValueError(f"{INT4_FILE}: {EMBEDDING} gives {list(part['codes'].shape)}, expected {list(want)}")
+    new = PackedEmbedding.build(kind, part, dtype, device, plan.sources.get(EMBEDDING))
+    del part
+    release_freed_memory()
+    if new is not None:
+        _put(model, "embed_tokens", new, device)
+        plan.covered.add(EMBEDDING)
+
+
 def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
     """Module path of each linear in the target -> the HF weights whose rows it concatenates."""
     out: dict[str, tuple[str, ...]] = {}
@@ -127,8 +152,12 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
             return _read_parts(f, stored, n, kinds[n], None if shard is None else shard_part(n, model.full_cfg, shard))
 
         linears = fused_linears(model)
-        # the output layer first: its temporaries (the whole vocabulary's codes) beside the fewest weights
-        for path in ["lm_head", *(p for p in linears if p != "lm_head")]:
+        # the output layer first: its temporaries (the whole vocabulary's codes) beside the fewest weights;
+        # then the embedding's, for the same reason
+        for path in ["lm_head", "embed_tokens", *(p for p in linears if p != "lm_head")]:
+            if path == "embed_tokens":
+                _pack_embedding(model, kinds.get(EMBEDDING), read, plan, dtype, device)
+                continue
             names = linears[path]
             dense = _dense_module(model, path)
             part_kinds = [kinds.get(n, "dense") for n in names]
