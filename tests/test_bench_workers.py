@@ -121,11 +121,63 @@ def test_bench_smoke_two_augury_systems_in_their_own_processes(tiny_checkpoint, 
     assert "process of" in table and str(results["augury"]["pid"]) in table
 
 
-class _FakeWorker:
-    """A worker's System side, recording which timed runs reached it."""
+def test_bench_splits_each_run_into_first_tokens_and_decode(tiny_checkpoint, tmp_path) -> None:
+    """augury (the engine's first_token_time) and transformers (a streamer) in their workers, batches of 1 and
+    2: every row has a time to first tokens and a decode-only time per repeat, a decode-only rate over the
+    tokens after each sequence's first, which leaves the prefill out so is at least the end-to-end rate, its
+    paired ratio, a prefill share in (0, 1), all in the JSON and the table."""
+    from augury.bench.offline import BenchSettings, bench, format_table
 
-    def __init__(self, name: str, speed: float) -> None:
-        self.name, self.speed, self.info = name, speed, {"pid": id(self)}
+    settings = BenchSettings(model=str(tiny_checkpoint("llama")), batch_sizes=(1, 2), prompt_len=24, output_len=48,
+                             repeats=2, warmup=1, systems=("augury", "transformers"), out=str(tmp_path / "out"))
+    rows, out = bench(settings, progress=False)
+    results = json.loads((out / "offline.json").read_text())["results"]
+    assert len(results) == 4
+    for r in results:
+        assert len(r["first_token_seconds"]) == len(r["decode_seconds"]) == 2
+        assert min(r["first_token_seconds"]) > 0 and min(r["decode_seconds"]) > 0
+        # inside the run (CPython times both clocks on the one monotonic clock)
+        assert all(f + d <= s for f, d, s in zip(r["first_token_seconds"], r["decode_seconds"], r["seconds"]))
+        assert r["decode_tokens"] == r["output_tokens"] - r["batch_size"] == r["batch_size"] * 47
+        assert r["decode_tokens_per_s"] >= r["tokens_per_s"] > 0
+        assert 0 < r["prefill_share"] < 1 and r["decode_paired_ratio"] > 0
+        assert len(r["decode_paired_ratios"]) == 2
+    assert all(r["decode_paired_ratio"] == 1.0 for r in results if r["system"] == "augury")
+    table = format_table(rows)
+    head = table.splitlines()[0]
+    assert all(col in head for col in ("dec tok/s", "dec paired", "prefill %"))
+    assert f"{rows[0].decode_tokens_per_s:.1f}" in table.splitlines()[2]
+
+
+def test_decode_only_figures_from_the_runs_splits_and_none_without_them() -> None:
+    """The decode-only rate is the tokens after each sequence's first over the median decode-only seconds,
+    paired against the reference's; a system that gives no split (a registered one without
+    first_token_times) has none, shown as '-', and neither has its paired ratio."""
+    from augury.bench.offline import BenchSettings, format_table, run_benchmark
+
+    ref, fast, blind = _FakeWorker("a", 1.0, (0.5, 0.5)), _FakeWorker("b", 1.0, (0.75, 0.25)), _FakeWorker("c", 1.0)
+    settings = BenchSettings(batch_sizes=(2,), prompt_len=3, output_len=4, repeats=3, warmup=0, systems=("a", "b", "c"))
+    a, b, c = run_benchmark(settings, [ref, fast, blind], vocab_size=50, progress=False)
+    assert a.decode_tokens == b.decode_tokens == 6  # 2 sequences of 4 tokens, less their first
+    assert a.decode_tokens_per_s == pytest.approx(12.0) and b.decode_tokens_per_s == pytest.approx(24.0)
+    assert b.decode_paired_ratio == pytest.approx(2.0) and b.paired_ratio == pytest.approx(1.0)
+    assert a.prefill_share == pytest.approx(0.5) and b.prefill_share == pytest.approx(0.75)
+    assert c.decode_tokens_per_s is c.decode_paired_ratio is c.prefill_share is None and c.decode_seconds is None
+    assert c.to_dict()["decode_tokens_per_s"] is None
+    line = format_table([a, b, c]).splitlines()[4]
+    assert line.split()[-3:] == ["-", "-", "-"]
+    # a reference without a split: nobody has a paired decode-only ratio, the others keep their rate
+    _, b2 = run_benchmark(BenchSettings(batch_sizes=(2,), prompt_len=3, output_len=4, repeats=1, warmup=0),
+                          [_FakeWorker("c", 1.0), _FakeWorker("b", 1.0, (0.75, 0.25))], vocab_size=50, progress=False)
+    assert b2.decode_paired_ratio is None and b2.decode_tokens_per_s == pytest.approx(24.0)
+
+
+class _FakeWorker:
+    """A worker's System side, recording which timed runs reached it; split: what each timed run reports as
+    its (seconds to first tokens, decode-only seconds), None for a system that does not know."""
+
+    def __init__(self, name: str, speed: float, split: tuple[float, float] | None = None) -> None:
+        self.name, self.speed, self.info, self.split = name, speed, {"pid": id(self)}, split
         self.timed: list[int] = []  # the pool's run counter at each timed run
         self.warmed = 0
 
@@ -135,7 +187,7 @@ class _FakeWorker:
     def timed_run(self, groups, output_len, stop_at_eos=False):
         self.timed.append(len(self.timed))
         out = [[1] * output_len for prompts in groups for _ in prompts]
-        return out, self.speed, self.speed
+        return out, self.speed, self.speed, self.split
 
     def generate(self, prompts, output_len, stop_at_eos=False):
         self.warmed += 1
@@ -231,6 +283,8 @@ def test_the_llama_cpp_worker_loads_no_torch(tmp_path, monkeypatch) -> None:
         assert info["threads"] == 2 and info["kernels_isa"] is None and info["omp_wait_policy"] is None
         assert info["pid"] == worker.pid != os.getpid()
         assert worker.generate([[5, 6, 7]], 4) == [[3, 3, 3, 3]]
+        out, wall, _, split = worker.timed_run([[[5, 6, 7]], [[5, 6]]], 4)  # its first token timed as it came
+        assert out == [[3, 3, 3, 3], [2, 2, 2, 2]] and split is not None and min(split) >= 0 and split[0] > 0
         assert worker.supports(1) and not worker.supports(2)
         assert not worker.imported("torch")
         assert "AUGURY_CACHE_DIR" not in worker.environ()

@@ -2,7 +2,9 @@
 
 A system is anything with `name`, `generate(prompts, output_len, stop_at_eos=False) -> token ids
 per prompt` (exactly output_len new tokens each, or with stop_at_eos up to and including the
-first end-of-sequence token, at most output_len) and `close()`. Two are built in: augury's
+first end-of-sequence token, at most output_len) and `close()`; after each call a system may hold
+`first_token_times`, per prompt the time.monotonic() at which its first token was generated (the
+benchmark's decode-only rate needs it: a system without it has none). Two are built in: augury's
 engine and transformers' `generate`. More rows (speculation on/off, policies) are added by
 registering a factory, a module-level function or class of an importable module: `def eagle3(s):
 return AugurySystem(s, "augury-eagle3", speculative_algorithm="eagle3", ...)`, `register_system(
@@ -80,6 +82,7 @@ class AugurySystem:
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
+        self.first_token_times: list[float | None] = []  # the last generate call's, per prompt (the engine's)
         self.schemas = dict(settings.json_schemas) if constrained else {}
         self._answered: set[tuple[int, ...]] = set()  # prompts answered since the suffix cache was emptied
         self.reset_counts()
@@ -155,6 +158,7 @@ class AugurySystem:
             rec = self.per_prompt.setdefault(tuple(p), [0, 0])
             rec[0] += o.spec_stats.num_verify_steps
             rec[1] += o.spec_stats.num_accepted_draft_tokens
+        self.first_token_times = [o.first_token_time for o in outs]
         return [o.token_ids for o in outs]
 
     def close(self) -> None:
@@ -186,6 +190,7 @@ class TransformersSystem:
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
         self.max_batch = max_batch
         self.generate_kwargs = generate_kwargs
+        self.first_token_times: list[float | None] = []  # the last generate call's, one stamp for the batch
         if settings.temperature > 0:
             self.generate_kwargs.update(do_sample=True, temperature=settings.temperature)
 
@@ -197,8 +202,9 @@ class TransformersSystem:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # [B, L]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        clock = _FirstTokenClock()
         with torch.inference_mode():
-            kwargs = {"do_sample": False, **self.generate_kwargs}
+            kwargs = {"do_sample": False, "streamer": clock, **self.generate_kwargs}
             if stop_at_eos:
                 kwargs["eos_token_id"] = sorted(self.eos_ids)
             else:
@@ -208,10 +214,28 @@ class TransformersSystem:
         rows = out[:, width:].tolist()
         if stop_at_eos:  # rows that finished early are padded after their end-of-sequence token
             rows = [_through_first(row, self.eos_ids) for row in rows]
+        self.first_token_times = [clock.first] * len(rows)
         return rows
 
     def close(self) -> None:
         del self.model
+
+
+class _FirstTokenClock:
+    """A streamer for transformers' generate that notes when the first generated tokens came out:
+    generate puts the prompt first, then each step's new tokens (the whole batch's at once)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None  # time.monotonic() at the first put after the prompt's
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.monotonic()
+
+    def end(self) -> None:
+        pass
 
 
 class LlamaCppSystem:
@@ -241,12 +265,14 @@ class LlamaCppSystem:
                          n_threads_batch=threads, n_batch=512, verbose=False)
         self.eos_ids = _eos_ids(settings.model, settings.eos_ids)  # the same set augury stops at
         self.temperature = settings.temperature
+        self.first_token_times: list[float | None] = []  # the last generate call's, per prompt
 
     def supports(self, batch_size: int) -> bool:
         return batch_size == 1
 
     def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
         rows = []
+        self.first_token_times = []
         for i, prompt in enumerate(prompts):
             self.llm.reset()
             if self.temperature > 0:
@@ -257,6 +283,8 @@ class LlamaCppSystem:
                 stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)
             row: list[int] = []
             for tok in stream:
+                if not row:  # the prompt evaluated and its first token sampled
+                    self.first_token_times.append(time.monotonic())
                 row.append(int(tok))
                 if len(row) >= output_len or (stop_at_eos and tok in self.eos_ids):
                     break

@@ -10,9 +10,14 @@ After warm-up, the systems take turns (order alternating per repeat, so slow dri
 shared machine's load hits all of them alike); the median of the repeats is reported as
 output tokens per second, with the ratio to the reference system (the first one), each
 repeat's own ratio (the two systems ran back to back in that repeat: "paired"), their median
-and spread, and how many greedy sequences equal the reference's. Process CPU time is recorded beside wall-clock
-time: on a machine shared with other work it is the steadier of the two (use --threads 1). A table is printed; JSON and a PNG plot are
-written into --out.
+and spread, and how many greedy sequences equal the reference's. Beside these end-to-end figures,
+which include every prompt's prefill, each system that notes when its first tokens came (augury,
+transformers, llama.cpp) gets a decode-only rate: tokens after each sequence's first over the time
+after each group's last first token (worker.run_groups), its paired median ratio to the reference's,
+and the median share of a run's time spent up to first tokens (prefill %): long prompts, the same
+work in every system, dilute the end-to-end ratio of what speculation changes. Process CPU time is
+recorded beside wall-clock time: on a machine shared with other work it is the steadier of the two
+(use --threads 1). A table is printed; JSON and a PNG plot are written into --out.
 
 Every system runs in a worker process of its own (bench/worker.py), started with the user's
 environment (a peer such as llama.cpp or transformers without augury's AUGURY_* variables and
@@ -89,6 +94,13 @@ class Row:
     spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
     # augury under a grammar (--prompts json): share of its timed wall time spent filling and applying masks
     mask_share: float = 0.0
+    # per repeat, summed over its groups (worker.run_groups): seconds from each group's start to its last
+    # first token (prefill and first tokens) and from there to its end; None for a system that did not say
+    # when its first tokens came (a registered system without first_token_times): no decode-only figures
+    first_token_seconds: list[float] | None = None
+    decode_seconds: list[float] | None = None
+    decode_tokens: int = 0  # output_tokens less each sequence's first
+    decode_paired_ratios: list[float] = field(default_factory=list)  # as paired_ratios, decode-only rates
     # the process the system ran in (its worker): id, CPU threads (torch's; llama.cpp's n_threads),
     # the CPU's ISA level (cpu.isa.host_level), augury's kernels' level (augury systems) and
     # OMP_WAIT_POLICY as that process saw it (None: unset)
@@ -115,9 +127,31 @@ class Row:
         """Median of the paired ratios: the figure to quote on a shared machine."""
         return statistics.median(self.paired_ratios) if self.paired_ratios else self.ratio
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after each sequence's first per decode-only second (median seconds over the repeats): the
+        rate speculation changes, without the prefill; None where unknown (or no sequence went past its first)."""
+        if not self.decode_seconds or not self.decode_tokens or min(self.decode_seconds) <= 0:
+            return None
+        return self.decode_tokens / statistics.median(self.decode_seconds)
+
+    @property
+    def decode_paired_ratio(self) -> float | None:
+        """Median of the paired decode-only ratios (None where this system or the reference has no such rate)."""
+        return statistics.median(self.decode_paired_ratios) if self.decode_paired_ratios else None
+
+    @property
+    def prefill_share(self) -> float | None:
+        """Median over the repeats of the time to first tokens over the run's wall time (None where unknown)."""
+        if self.first_token_seconds is None:
+            return None
+        return statistics.median(f / s for f, s in zip(self.first_token_seconds, self.seconds))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"median_s": self.median_s, "tokens_per_s": self.tokens_per_s,
-                               "median_cpu_s": self.median_cpu_s, "paired_ratio": self.paired_ratio}
+                               "median_cpu_s": self.median_cpu_s, "paired_ratio": self.paired_ratio,
+                               "decode_tokens_per_s": self.decode_tokens_per_s,
+                               "decode_paired_ratio": self.decode_paired_ratio, "prefill_share": self.prefill_share}
 
 
 def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: int, progress: bool = True,
@@ -149,17 +183,19 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                 getattr(system, "reset_counts", lambda: None)()  # acceptance over the timed runs only
             seconds: dict[str, list[float]] = {s.name: [] for s in systems}
             cpu: dict[str, list[float]] = {s.name: [] for s in systems}
+            splits: dict[str, list[tuple[float, float] | None]] = {s.name: [] for s in systems}
             outputs: dict[str, list[list[int]]] = {}
             for r in range(settings.repeats):
                 for system in systems if r % 2 == 0 else systems[::-1]:
                     bar.set_postfix_str(f"batch {b} {system.name}")
-                    out, wall, cpu_s = _timed_run(system, groups, settings.output_len, settings.stop_at_eos)
+                    out, wall, cpu_s, split = _timed_run(system, groups, settings.output_len, settings.stop_at_eos)
                     seconds[system.name].append(wall)
                     cpu[system.name].append(cpu_s)
+                    splits[system.name].append(split)
                     _check_lengths(system.name, out, settings.output_len, settings.stop_at_eos)
                     outputs.setdefault(system.name, out)
                     bar.update(1)
-            new = _rows_for(b, systems, seconds, cpu, outputs)
+            new = _rows_for(b, systems, seconds, cpu, outputs, splits)
             if chat and kinds:
                 by_kind = {k: [p for p, pk in zip(chat, kinds) if pk == k] for k in dict.fromkeys(kinds)}
                 for row, system in zip(new, systems):
@@ -174,16 +210,15 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
 
 
 def _timed_run(system: System, groups: list[list[list[int]]], output_len: int,
-               stop_at_eos: bool) -> tuple[list[list[int]], float, float]:
-    """Every group through the system in turn: (outputs, wall seconds, CPU seconds). A worker times
-    itself (its own CPU time); a system in this process is timed here."""
+               stop_at_eos: bool) -> tuple[list[list[int]], float, float, tuple[float, float] | None]:
+    """Every group through the system in turn: worker.run_groups' (outputs, wall seconds, CPU seconds,
+    (seconds to first tokens, decode-only seconds) or None). A worker times itself (its own CPU time); a
+    system in this process is timed here."""
     if hasattr(system, "timed_run"):
         return system.timed_run(groups, output_len, stop_at_eos)
-    out: list[list[int]] = []
-    start, start_cpu = time.perf_counter(), time.process_time()
-    for prompts in groups:
-        out += system.generate(prompts, output_len, stop_at_eos)
-    return out, time.perf_counter() - start, time.process_time() - start_cpu
+    from augury.bench.worker import run_groups
+
+    return run_groups(system, groups, output_len, stop_at_eos)
 
 
 def system_info(system: System) -> dict[str, Any]:
@@ -207,17 +242,27 @@ def _check_lengths(name: str, out: list[list[int]], output_len: int, stop_at_eos
         raise RuntimeError(f"{name} did not generate {output_len} tokens per prompt")
 
 
-def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]],
-              cpu: dict[str, list[float]], outputs: dict[str, list[list[int]]]) -> list[Row]:
+def _rows_for(b: int, systems: list[System], seconds: dict[str, list[float]], cpu: dict[str, list[float]],
+              outputs: dict[str, list[list[int]]],
+              splits: dict[str, list[tuple[float, float] | None]] | None = None) -> list[Row]:
     """One row per system; ratios are tokens per second over the reference's (the systems may
-    generate different numbers of tokens when sequences stop at EOS)."""
+    generate different numbers of tokens when sequences stop at EOS). splits: per system, each repeat's
+    (seconds to first tokens, decode-only seconds), None where the system did not give them."""
     ref = systems[0].name
     rows = [Row(s.name, b, seconds[s.name], cpu[s.name], sum(len(o) for o in outputs[s.name]),
                 accept_length=getattr(s, "accept_length", 0.0), spec_fraction=getattr(s, "spec_fraction", 0.0),
                 mask_share=getattr(s, "mask_share", 0.0), **system_info(s))
             for s in systems]
+    for row in rows:
+        parts = (splits or {}).get(row.system) or [None]
+        if all(p is not None for p in parts):
+            row.first_token_seconds, row.decode_seconds = [p[0] for p in parts], [p[1] for p in parts]
+        row.decode_tokens = row.output_tokens - len(outputs[row.system])
     base = rows[0]
     for row in rows:
+        if row.decode_tokens_per_s is not None and base.decode_tokens_per_s is not None:
+            row.decode_paired_ratios = [(row.decode_tokens / s) / (base.decode_tokens / r)
+                                        for s, r in zip(row.decode_seconds, base.decode_seconds)]
         row.ratio = row.tokens_per_s / base.tokens_per_s
         row.paired_ratios = [(row.output_tokens / s) / (base.output_tokens / r) for s, r in zip(row.seconds, base.seconds)]
         row.cpu_ratio = (row.output_tokens / row.median_cpu_s) / (rows[0].output_tokens / rows[0].median_cpu_s)
@@ -229,14 +274,16 @@ def format_table(rows: list[Row]) -> str:
     ref = rows[0].system if rows else ""
     head = (f"{'batch':>5}  {'system':<20} {'tok/s':>8} {'median s':>9} {'min..max s':>15} {'vs ' + ref:>16} "
             f"{'paired':>7} {'paired min..max':>15} {'cpu s':>8} {'cpu ratio':>9} {'greedy =':>9} {'acc len':>8} "
-            f"{'spec %':>7}")
+            f"{'spec %':>7} {'dec tok/s':>9} {'dec paired':>10} {'prefill %':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"{min(r.seconds):.3f}..{max(r.seconds):.3f}"
         paired = f"{min(r.paired_ratios, default=r.ratio):.2f}..{max(r.paired_ratios, default=r.ratio):.2f}"
         lines.append(f"{r.batch_size:>5}  {r.system:<20} {r.tokens_per_s:>8.1f} {r.median_s:>9.3f} {spread:>15} "
                      f"{r.ratio:>15.2f}x {r.paired_ratio:>6.2f}x {paired:>15} {r.median_cpu_s:>8.3f} "
-                     f"{r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} {r.accept_length:>8.2f} {r.spec_fraction:>7.0%}")
+                     f"{r.cpu_ratio:>8.2f}x {r.greedy_match:>9.0%} {r.accept_length:>8.2f} {r.spec_fraction:>7.0%} "
+                     f"{_maybe(r.decode_tokens_per_s, '.1f'):>9} {_maybe(r.decode_paired_ratio, '.2f', 'x'):>10} "
+                     f"{_maybe(r.prefill_share, '.0%'):>9}")
     kinds = list(dict.fromkeys(k for r in rows for k in r.accept_by_kind))
     spec = [r for r in rows if any(r.accept_by_kind.values())]
     if kinds and spec:  # acceptance length per prompt kind (--prompts varied)
@@ -260,6 +307,11 @@ def format_table(rows: list[Row]) -> str:
                          f"{r.threads if r.threads is not None else '-':>7} {r.isa or '-':>12} "
                          f"{r.kernels_isa or '-':>12} {r.omp_wait_policy or '(unset)':>15}")
     return "\n".join(lines)
+
+
+def _maybe(value: float | None, spec: str, suffix: str = "") -> str:
+    """A figure for the table, '-' where it is unavailable."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:

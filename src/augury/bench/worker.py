@@ -11,7 +11,8 @@ user's environment with its AUGURY_* variables, and imports augury as any augury
 
 The parent drives a worker with pickled messages over the worker's stdin and stdout (the
 worker's own prints and C libraries' output go to its stderr): load the system once, then run
-a prompt set (timed in the worker: wall-clock and the worker's CPU time), read its speculation
+a prompt set (timed in the worker: wall-clock, the worker's CPU time and, where the system notes
+its first tokens, the split into prefill and decode: `run_groups`), read its speculation
 counts, close. `WorkerSystem` is the parent's handle; it is a benchmark System.
 """
 from __future__ import annotations
@@ -197,8 +198,9 @@ class WorkerSystem:
         return self._supports[batch_size]
 
     def timed_run(self, groups: list[list[list[int]]], output_len: int,
-                  stop_at_eos: bool = False) -> tuple[list[list[int]], float, float]:
-        """Every group generated in turn, timed in the worker: (outputs, wall seconds, CPU seconds)."""
+                  stop_at_eos: bool = False) -> tuple[list[list[int]], float, float, tuple[float, float] | None]:
+        """Every group generated in turn, timed in the worker: `run_groups`'s (outputs, wall seconds, CPU
+        seconds, (seconds to first tokens, decode-only seconds) or None)."""
         return self.call("run", groups, output_len, stop_at_eos)
 
     def generate(self, prompts: list[list[int]], output_len: int, stop_at_eos: bool = False) -> list[list[int]]:
@@ -247,7 +249,7 @@ class WorkerPool:
         return self.workers[0].supports(batch_size)
 
     def timed_run(self, groups: list[list[list[int]]], output_len: int,
-                  stop_at_eos: bool = False) -> tuple[list[list[int]], float, float]:
+                  stop_at_eos: bool = False) -> tuple[list[list[int]], float, float, tuple[float, float] | None]:
         worker = self.workers[self._runs % len(self.workers)]
         self._runs += 1
         return worker.timed_run(groups, output_len, stop_at_eos)
@@ -341,6 +343,38 @@ def process_info(system: Any = None, name: str = "", omp_wait_policy: str | None
             "omp_wait_policy": omp_wait_policy}
 
 
+def run_groups(system: Any, groups: list[list[list[int]]], output_len: int, stop_at_eos: bool = False
+               ) -> tuple[list[list[int]], float, float, tuple[float, float] | None]:
+    """Every group through the system in turn: (outputs, wall seconds, CPU seconds, split), split being
+    (seconds to first tokens, decode-only seconds) summed over the groups, or None when the system did not
+    say when a group's first tokens came (its `first_token_times`, time.monotonic() per prompt).
+
+    A group's time to first tokens runs from its start to its last prompt's first token (prefill and first
+    token of every prompt in it), its decode-only time from there to its end: the decode-only rate is the
+    tokens after each sequence's first over the summed decode-only times. That counts every decoded token
+    inside that window only because no sequence decodes before the group's last first token: augury's
+    scheduler prefills every waiting request before any decodes, transformers prefills a batch in one step,
+    llama.cpp takes one prompt a group."""
+    out: list[list[int]] = []
+    to_first = decode = 0.0
+    split = True
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for prompts in groups:
+        t0 = time.monotonic()
+        rows = system.generate(prompts, output_len, stop_at_eos)
+        t1 = time.monotonic()
+        stamps = getattr(system, "first_token_times", None) if split else None
+        # stamps of this call only: one per prompt, inside it (an earlier call's would fall before t0)
+        if stamps is not None and len(stamps) == len(rows) and all(s is not None and t0 <= s <= t1 for s in stamps):
+            to_first += max(stamps) - t0
+            decode += t1 - max(stamps)
+        else:
+            split = False
+        out += rows
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    return out, wall, cpu, (to_first, decode) if split else None
+
+
 def serve(start_env: dict[str, str], peer: bool) -> None:
     """The worker's loop (run by _BOOT in a fresh interpreter): answer the parent's messages
     until it closes the pipe. start_env: the environment before augury was imported."""
@@ -409,12 +443,7 @@ def _handle(state: dict[str, Any], command: str, args: list[Any]) -> Any:
     if command == "supports":
         return getattr(system, "supports", lambda n: True)(args[0])
     if command == "run":
-        groups, output_len, stop_at_eos = args
-        out: list[list[int]] = []
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for prompts in groups:
-            out += system.generate(prompts, output_len, stop_at_eos)
-        return out, time.perf_counter() - start, time.process_time() - start_cpu
+        return run_groups(system, *args)
     if command == "reset_counts":
         getattr(system, "reset_counts", lambda: None)()
         return None
