@@ -96,6 +96,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
+def rows_of(part: dict[str, torch.Tensor]):
+    """build()'s reader over parts in memory."""
+    return lambda a, b: {k: v[a:b] for k, v in part.items()}
+
+
 def ids_2d(vocab: int) -> torch.Tensor:
     """A [3, 9] batch of ids: repeats, both ends of the vocabulary, both sides of panel boundaries."""
     g = torch.Generator().manual_seed(3)
@@ -234,7 +239,8 @@ def test_the_head_kernel_reads_a_packed_embeddings_rows(tmp_path) -> None:
     dense_w = head.embed.weight.detach().float().numpy()  # [VOCAB, 64]
     raw = gguf.quants.quantize(dense_w, QT.Q8_0).reshape(VOCAB, 2, -1)
     kind, parts = gguf_blocks.decode(raw, QT.Q8_0)
-    packed = PackedEmbedding.build(kind, {k: torch.from_numpy(v) for k, v in parts.items()}, torch.bfloat16, CPU)
+    packed = PackedEmbedding.build(kind, rows_of({k: torch.from_numpy(v) for k, v in parts.items()}), VOCAB,
+                                   torch.bfloat16, CPU)
     dense = torch.nn.Embedding.from_pretrained(packed.weight, freeze=True)
     g = torch.Generator().manual_seed(4)
     t = 7
@@ -262,10 +268,32 @@ def test_a_q4_1_zero_that_hides_its_m_keeps_the_embedding_dense() -> None:
     d = (torch.rand(32, 2, generator=g) * 0.02 + 0.001).to(torch.float16)
     m = (-torch.rand(32, 2, generator=g) * 0.2).to(torch.float16)
     zero = (m.double() + 8.0 * d.double()).float()  # as the conversion writes it
-    emb = PackedEmbedding.build("int4", {"codes": codes, "scale": d, "zero": zero}, torch.bfloat16, CPU)
+    emb = PackedEmbedding.build("int4", rows_of({"codes": codes, "scale": d, "zero": zero}), 32, torch.bfloat16, CPU)
     assert emb is not None
     want = codes.float().view(32, 2, 32) * d.float()[..., None] + m.float()[..., None]  # gguf-py's d q + m
     assert same_bits(emb(torch.arange(32)), want.view(32, 64).to(torch.bfloat16))
     d[5, 1] = 1024.0  # 8 d = 8192, where float32's step (2^-10) is 1024 float16 steps of an m near 2^-10
     zero[5, 1] = 8192.0 + 2.0 ** -10
-    assert PackedEmbedding.build("int4", {"codes": codes, "scale": d, "zero": zero}, torch.bfloat16, CPU) is None
+    assert PackedEmbedding.build("int4", rows_of({"codes": codes, "scale": d, "zero": zero}), 32, torch.bfloat16,
+                                 CPU) is None
+
+
+def test_the_table_packed_a_chunk_of_rows_at_a_time_is_packed_whole(monkeypatch) -> None:
+    """Chunks of 32 rows (the last a part, padded), the first chunk's Q5_K codes without a fifth bit
+    set (its W4KLinear has no `high`, the later ones have): the same buffers as one packing of the whole
+    table, and rows of gguf-py's values."""
+    from augury.models import native_embed
+
+    from test_gguf_kquants import blocks
+
+    kind, p = gguf_blocks.decode(blocks(QT.Q5_K, 100, 512, seed=5), QT.Q5_K)
+    p["codes"][:32] &= 15
+    part = {k: torch.from_numpy(v) for k, v in p.items()}
+    monkeypatch.setattr(native_embed, "BUILD_ROWS", 32)
+    emb = PackedEmbedding.build(kind, rows_of(part), 100, torch.bfloat16, CPU)
+    whole = native.build([kind], [native_embed._padded(part, 112)], None, torch.bfloat16, CPU)
+    assert native.build([kind], [{k: v[:32] for k, v in part.items()}], None, torch.bfloat16, CPU).high is None
+    assert emb.table.out_features == 112 and emb.table.high is not None
+    for (name, a), (_, b) in zip(emb.table.named_buffers(), whole.named_buffers()):
+        assert torch.equal(a, b), name
+    assert same_bits(emb.weight, torch.from_numpy(gguf_blocks.values(p)).to(torch.bfloat16))

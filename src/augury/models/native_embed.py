@@ -15,6 +15,8 @@ The kernels never multiply this table: the tied output layer, where there is one
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from augury.models.fused import KernelModule
 from augury.models.quant import INT4_N_MULTIPLE
 
 PANELS_AT_ONCE = 64  # panels of 16 rows dequantised at a time: float32 temporaries of 1024 rows
+BUILD_ROWS = 4096  # rows packed at a time (a multiple of 16): one chunk's temporaries, not the table's
 
 
 def _padded(part: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
@@ -79,24 +82,42 @@ class PackedEmbedding(KernelModule, nn.Module):
         self.q4_0 = q4_0
 
     @staticmethod
-    def build(kind: str, part: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-              source: str | None = None) -> "PackedEmbedding | None":
-        """From one GGUF tensor's native parts (models/native_load's read: codes [V, H] a byte a code,
-        its scales; source its GGUF type, as the side file's index names it), or None where it cannot be
+    def build(kind: str, rows: Callable[[int, int], dict[str, torch.Tensor]], vocab: int, dtype: torch.dtype,
+              device: torch.device, source: str | None = None) -> "PackedEmbedding | None":
+        """From one GGUF tensor's native parts, `rows(a, b)` giving rows a..b-1 of each (models/native_load's
+        read: codes a byte a code, their scales; source its GGUF type, as the side file's index names it),
+        packed BUILD_ROWS rows at a time into the whole table's buffers (every panel is packed alone, so
+        the same bits as packing it whole, without a whole table's temporaries). None where it cannot be
         held packed here (another dtype or device, no kernel to pack for, a Q4_1 zero whose m is
         ambiguous): the caller keeps the embedding dense."""
         if dtype != torch.bfloat16 or device.type != "cpu" or kind not in native.KINDS:
             return None
-        vocab = part["codes"].shape[0]
-        part = _padded(part, -(-vocab // INT4_N_MULTIPLE) * INT4_N_MULTIPLE)
-        if kind != "int4":
-            table = native.build([kind], [part], None, dtype, device)
-            return None if table is None else PackedEmbedding(table, vocab)
-        w4f = _q4_as_w4f(part)
-        if w4f is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32:
-            return None
-        q4_0 = source == "Q4_0" or (source is None and not part["zero"].any())  # an index without types: Q4_0's zeros
-        return PackedEmbedding(native.W4FLinear(w4f["codes"], w4f["scale"], w4f["zero"], None), vocab, q4_0)
+        padded = -(-vocab // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
+        table, full, zeros = None, {}, True
+        for a in range(0, padded, BUILD_ROWS):
+            b = min(a + BUILD_ROWS, padded)
+            part = _padded(rows(a, min(b, vocab)), b - a)
+            if kind == "int4":
+                zeros = zeros and not part["zero"].any()
+                part = _q4_as_w4f(part)
+                chunk = None if part is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32 else \
+                    native.W4FLinear(part["codes"], part["scale"], part["zero"], None)
+            else:
+                chunk = native.build([kind], [part], None, dtype, device)
+            if chunk is None:
+                return None
+            if table is None:
+                table = chunk
+            for k, v in chunk._buffers.items():  # a buffer a chunk lacks (Q5_K's fifth bits, none set) is zeros
+                if v is not None:
+                    if full.get(k) is None:
+                        full[k] = v.new_zeros(padded // INT4_N_MULTIPLE, *v.shape[1:])
+                    full[k][a // INT4_N_MULTIPLE: b // INT4_N_MULTIPLE] = v
+        for k, v in full.items():
+            table.register_buffer(k, v)
+        table.out_features = padded
+        q4_0 = kind == "int4" and (source == "Q4_0" or (source is None and zeros))  # an index without types
+        return PackedEmbedding(table, vocab, q4_0)
 
     def _values(self, panels: torch.Tensor) -> torch.Tensor:
         """The float32 values of some panels [16 n, H], each as gguf-py computes it."""

@@ -100,25 +100,27 @@ def _dense_module(model: TargetModel, path: str) -> torch.nn.Module:
     return model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
 
 
-def _pack_embedding(model: TargetModel, kind: str | None, read: Callable[[str], dict[str, torch.Tensor]],
-                    plan: NativePlan, dtype: torch.dtype, device: torch.device) -> None:
-    """The token embedding kept in its GGUF type (models/native_embed.py), no dense copy made: where it
-    has a native kind, the model runs bfloat16 on the CPU, whole (a tensor-parallel rank keeps its
-    vocabulary rows dense) and, tied, its output layer was built on its own (else that layer reads the
-    dense table, which stays)."""
+def _pack_embedding(model: TargetModel, kind: str | None, f: TensorFile, stored: set[str], plan: NativePlan,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """The token embedding kept in its GGUF type (models/native_embed.py), read and packed a chunk of
+    rows at a time, no dense copy made: where it has a native kind, the model runs bfloat16 on the CPU,
+    whole (a tensor-parallel rank keeps its vocabulary rows dense) and, tied, its output layer was built
+    on its own (else that layer reads the dense table, which stays)."""
     if kind is None or model.shard is not None or model.lm_head is None or dtype != torch.bfloat16 \
             or device.type != "cpu":
         return
-    part = read(EMBEDDING)
-    want = tuple(model.embed_tokens.weight.shape)
-    if tuple(part["codes"].shape) != want:
-        raise ValueError(f"{INT4_FILE}: {EMBEDDING} gives {list(part['codes'].shape)}, expected {list(want)}")
-    new = PackedEmbedding.build(kind, part, dtype, device, plan.sources.get(EMBEDDING))
-    del part
+    vocab, hidden = model.embed_tokens.weight.shape
+    if (got := f.shape(f"{EMBEDDING}.codes")[0]) != vocab:
+        raise ValueError(f"{INT4_FILE}: {EMBEDDING} has {got} rows, expected {vocab}")
+    new = PackedEmbedding.build(kind, lambda a, b: _read_parts(f, stored, EMBEDDING, kind, (0, a, b, vocab)), vocab,
+                                dtype, device, plan.sources.get(EMBEDDING))
     release_freed_memory()
-    if new is not None:
-        _put(model, "embed_tokens", new, device)
-        plan.covered.add(EMBEDDING)
+    if new is None:
+        return
+    if new.embedding_dim != hidden:
+        raise ValueError(f"{INT4_FILE}: {EMBEDDING} has {new.embedding_dim} columns, expected {hidden}")
+    _put(model, "embed_tokens", new, device)
+    plan.covered.add(EMBEDDING)
 
 
 def fused_linears(model: TargetModel) -> dict[str, tuple[str, ...]]:
@@ -156,7 +158,7 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
         # then the embedding's, for the same reason
         for path in ["lm_head", "embed_tokens", *(p for p in linears if p != "lm_head")]:
             if path == "embed_tokens":
-                _pack_embedding(model, kinds.get(EMBEDDING), read, plan, dtype, device)
+                _pack_embedding(model, kinds.get(EMBEDDING), f, stored, plan, dtype, device)
                 continue
             names = linears[path]
             dense = _dense_module(model, path)
