@@ -78,21 +78,23 @@ class Rotary(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
         super().__init__()
+        self.max_len = max_len
+        if torch.empty(0).is_meta:  # built under torch.device("meta"): shapes only (the loader builds the real
+            # one); no arithmetic, since the first meta arange is a Python reference that imports torch._dynamo
+            self.register_buffer("cos", torch.empty(max_len, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_len, head_dim), persistent=False)
+            return
         inv = rope_inv_freq(rope, head_dim)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)  # [L, hd/2], float32 angles
         # cos and sin of the float32 angles in float64 (numpy, one thread), rounded once to float32: the
         # same table in every process. torch's float32 cos/sin on the CPU split the table over threads,
         # and a process's first call has computed one thread's half ~3e-5 off (MKL's vector maths, at
         # start-up of LLM("demo") on an AMX Xeon, about 1 process in 4), moving that process's tokens.
-        if freqs.is_meta:  # built under torch.device("meta"): shapes only (the loader builds the real one)
-            cos = sin = freqs
-        else:
-            angles = freqs.double().cpu().numpy()
-            cos = torch.from_numpy(np.cos(angles)).float().to(freqs.device)
-            sin = torch.from_numpy(np.sin(angles)).float().to(freqs.device)
+        angles = freqs.double().cpu().numpy()
+        cos = torch.from_numpy(np.cos(angles)).float().to(freqs.device)
+        sin = torch.from_numpy(np.sin(angles)).float().to(freqs.device)
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)  # [L, hd]
         self.register_buffer("sin", torch.cat([sin, sin], dim=-1), persistent=False)
-        self.max_len = max_len
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [B, Q] -> cos, sin [B, Q, 1, hd] (broadcast over heads)
