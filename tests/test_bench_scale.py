@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import gguf
@@ -137,7 +138,8 @@ def test_the_bench_measures_both_systems_and_the_speculative_step(tiny_file, tmp
     rc = main(["--workload", "scale", "--sizes", "tiny", "--types", "q4_k_m", "--vocab", str(VOCAB), "--seed", "3",
                "--work-dir", str(tiny_file.parent), "--out", str(tmp_path / "out"), "--systems", systems,
                "--output-len", "6", "--repeats", "1", "--prefill-len", "48", "--context", "32", "--rows", "1,2,4",
-               "--row-repeats", "1", "--spec-sizes", "tiny", "--spec-shape", "2-2-3", "--threads", "2", "--delete"])
+               "--row-repeats", "1", "--spec-sizes", "tiny", "--spec-shape", "2-2-3", "--threads", "2", "--delete",
+               "--rounds", "2"])
     text = capsys.readouterr().out
     assert rc == 0, text
     run = json.loads((tmp_path / "out" / "scale.json").read_text())["runs"][0]
@@ -154,5 +156,11 @@ def test_the_bench_measures_both_systems_and_the_speculative_step(tiny_file, tmp
         assert "error" not in c, c
         assert all(c["decode"][b] > 0 for b in ("1", "8")) and c["prefill"] > 0 and len(c["tokens"]) == 8
         assert all(0 <= t < VOCAB for t in c["tokens"])
+        q = run["ratios"]  # each round's pair, the systems' order alternating
+        assert q["rounds"] == 2 and [len(run["rounds"][s]) for s in ("augury", "llama.cpp")] == [2, 2]
+        pairs = [a["decode"]["1"] / b["decode"]["1"] for a, b in zip(run["rounds"]["augury"], run["rounds"]["llama.cpp"])]
+        assert q["decode"]["1"] == statistics.median(pairs) and "| tiny | q4_k_m | 2 |" in text
+    assert [("rows" in r) for r in run["rounds"]["augury"]] == [True, False]  # the rows table in the first round
+    assert a["rounds_run"] == 2 and a["prefill"] == statistics.median(r["prefill"] for r in run["rounds"]["augury"])
     assert "| tiny | q4_k_m |" in text and "rows (a chain)" in text and "EAGLE-3 head" in text
     assert not tiny_file.exists() and not conversion.exists()  # --delete: the file and augury's conversion

@@ -3,7 +3,9 @@
 For each size (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B: bench/scale_gguf.py's SHAPES) and file type
 (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0 with llama.cpp's mix of tensor types), a file of random blocks is
 written into --work-dir (or reused: one name per size, type, vocabulary, seed and writer version) and
-each system runs it in a process of its own with the same threads (bench/scale_worker.py): load time,
+each system runs it in a process of its own with the same threads (bench/scale_worker.py), --rounds
+times in alternating order (a figure is the median over rounds, a ratio the median of the rounds'
+paired ratios: one process's figures swing by +-20% on a shared machine): load time,
 RSS after loading and at the end (peak), decode tokens a second at each batch size, prefill tokens a
 second of one --prefill-len prompt; for augury also its one-time conversion (seconds, peak RSS) and the
 rows-per-verification-step table (a chain of R rows through the target and its output layer after
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -69,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=16, help="tokens of each decode prompt (default 16)")
     p.add_argument("--output-len", type=int, default=64, help="tokens each decode run generates (default 64)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt (default 512)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each figure (median; default 3)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each figure in a job (median; default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="jobs of each system per file, the systems' order alternating "
+                   "between rounds; figures are medians over rounds, ratios the median of each round's pair "
+                   "(default 3)")
     p.add_argument("--rows", type=int_list, default=(1, 2, 4, 8, 16), help="row counts of the verification table")
     p.add_argument("--context", type=int, default=512, help="tokens before the verified rows (default 512)")
     p.add_argument("--row-repeats", type=int, default=5, help="paired repeats of the rows table (default 5)")
@@ -160,17 +166,24 @@ def bench_scale(args: argparse.Namespace, say=print) -> dict[str, Any]:
             run["write_s"] = time.perf_counter() - t0 if written else None
             say(f"{size} {ftype}: {path} ({'written in %.1f s' % run['write_s'] if written else 'reused'})")
             job = _job(args, path)
-            if "augury" in args.systems:
+            systems = [s for s in SYSTEMS if s in args.systems]
+            if "augury" in systems:
                 run["convert"] = run_job("convert", job, args.job_timeout)
                 say(f"  augury conversion: {_brief(run['convert'])}")
-                if "error" not in run["convert"]:
-                    run["augury"] = run_job("augury", job, args.job_timeout)
-                    say(f"  augury: {_brief(run['augury'])}")
+                if "error" in run["convert"]:
+                    systems.remove("augury")
                 save()
-            if "llama.cpp" in args.systems:
-                run["llama.cpp"] = run_job("llama.cpp", job, args.job_timeout)
-                say(f"  llama.cpp: {_brief(run['llama.cpp'])}")
-                save()
+            run["rounds"] = {s: [] for s in systems}
+            for rnd in range(args.rounds):  # a shared machine's load drifts: each round pairs the systems
+                for system in systems if rnd % 2 == 0 else systems[::-1]:
+                    r = run_job(system, job | {"time_rows": rnd == 0}, args.job_timeout)
+                    run["rounds"][system].append(r)
+                    say(f"  {system} (round {rnd + 1}): {_brief(r)}")
+                    save()
+            for system in systems:
+                run[system] = summarise_rounds(run["rounds"][system])
+            run["ratios"] = paired_ratios(run["rounds"])
+            save()
             if size in args.spec_sizes and "augury" in args.systems and "error" not in run.get("convert", {}):
                 head = write_eagle3_head(work / f"eagle3-head-{size}-v{args.vocab}-s{args.seed}", SHAPES[size],
                                          args.vocab, min(DRAFT_VOCAB, args.vocab // 2), args.seed)
@@ -181,6 +194,37 @@ def bench_scale(args: argparse.Namespace, say=print) -> dict[str, Any]:
                 shutil.rmtree(gguf_cache_dir(path), ignore_errors=True)
                 path.unlink(missing_ok=True)
     return report
+
+
+_FIGURES = ("load_s", "load_rss_gb", "peak_rss_gb", "prefill")
+
+
+def summarise_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rounds as one result: each figure's median over the rounds that ran (decode per batch
+    size), the rows table and the ISA from the first; an error where no round ran."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return {"error": rounds[0]["error"] if rounds else "no round ran"}
+    out = {k: v for k, v in ok[0].items() if k not in (*_FIGURES, "decode")}
+    out.update({k: statistics.median(r[k] for r in ok) for k in _FIGURES if all(k in r for r in ok)})
+    out["decode"] = {b: statistics.median(r["decode"][b] for r in ok) for b in ok[0]["decode"]}
+    out["rounds_run"] = len(ok)
+    return out
+
+
+def paired_ratios(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """augury over llama.cpp, per figure the median over the rounds both ran of that round's ratio (load
+    time as a difference in seconds, augury's less llama.cpp's)."""
+    pairs = [(a, b) for a, b in zip(rounds.get("augury", []), rounds.get("llama.cpp", []))
+             if "error" not in a and "error" not in b]
+    if not pairs:
+        return None
+    out: dict[str, Any] = {"rounds": len(pairs), "decode": {b: statistics.median(a["decode"][b] / p["decode"][b]
+                                                             for a, p in pairs) for b in pairs[0][0]["decode"]}}
+    for k in ("prefill", "load_rss_gb", "peak_rss_gb"):
+        out[k] = statistics.median(a[k] / p[k] for a, p in pairs)
+    out["load_s_more"] = statistics.median(a["load_s"] - p["load_s"] for a, p in pairs)
+    return out
 
 
 def _params(size: str, vocab: int) -> tuple[int, int]:
@@ -226,6 +270,18 @@ def format_tables(report: dict[str, Any]) -> str:
             rss = f"{r['load_rss_gb']:.2f} / {r['peak_rss_gb']:.2f}"
             lines.append(f"{head} {r['isa']} | {r['load_s']:.1f}{extra} | {rss} | "
                          + " | ".join(f"{r['decode'][str(b)]:.1f}" for b in bs) + f" | {r['prefill']:.1f} |")
+    lines += ["", "augury / llama.cpp: per figure the median over rounds of that round's ratio (load: augury's "
+              "seconds less llama.cpp's)",
+              "| size | type | rounds | " + " | ".join(f"decode B={b}" for b in bs)
+              + f" | prefill {s['prefill_len']} | RSS after load | peak RSS | load s more |",
+              "|---|---|---|" + "---|" * len(bs) + "---|---|---|---|"]
+    for run in report["runs"]:
+        q = run.get("ratios")
+        if q:
+            lines.append(f"| {run['size']} | {run['type']} | {q['rounds']} | "
+                         + " | ".join(f"{q['decode'][str(b)]:.2f}x" for b in bs)
+                         + f" | {q['prefill']:.2f}x | {q['load_rss_gb']:.2f}x | {q['peak_rss_gb']:.2f}x | "
+                         f"{q['load_s_more']:+.1f} |")
     rows = sorted({1, *s["rows"]})
     lines += ["", f"augury: target forward + output layer over R rows (a chain) after {s['context']} tokens, / one row",
               "| size | type | decode step ms | " + " | ".join(f"{r} rows" for r in rows) + " |",

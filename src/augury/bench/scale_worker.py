@@ -98,8 +98,10 @@ def augury(job: dict[str, Any]) -> dict[str, Any]:
     long = _prompts(1, job["prefill_len"], vocab, job["seed"] + 1)
     _generate(llm, long, 1)
     out["prefill"] = job["prefill_len"] / statistics.median(_generate(llm, long, 1) for _ in range(job["repeats"]))
-    rows = time_rows(llm, job["context"], tuple(job["rows"]), job["row_repeats"], job["row_inner"], job["row_warmup"])
-    out["rows"] = {"decode_ms": rows["decode_ms"], "ratio": rows["ratio"], "threads": rows["threads"]}
+    if job.get("time_rows", True):  # the first round's job only (bench/scale.py)
+        rows = time_rows(llm, job["context"], tuple(job["rows"]), job["row_repeats"], job["row_inner"],
+                         job["row_warmup"])
+        out["rows"] = {"decode_ms": rows["decode_ms"], "ratio": rows["ratio"], "threads": rows["threads"]}
     return out | memory()
 
 
