@@ -145,6 +145,7 @@ def test_the_bench_measures_both_systems_and_the_speculative_step(tiny_file, tmp
     run = json.loads((tmp_path / "out" / "scale.json").read_text())["runs"][0]
     a = run["augury"]
     assert "error" not in a, a
+    assert run["convert"]["first_load_s"] > 0
     assert all(a["decode"][b] > 0 for b in ("1", "8")) and a["prefill"] > 0 and a["load_rss_gb"] > 0
     assert a["rows"]["ratio"]["1"] == 1.0 and set(a["rows"]["ratio"]) == {"1", "2", "4"}
     s = run["spec"]

@@ -7,7 +7,8 @@ each system runs it in a process of its own with the same threads (bench/scale_w
 times in alternating order (a figure is the median over rounds, a ratio the median of the rounds'
 paired ratios: one process's figures swing by +-20% on a shared machine): load time,
 RSS after loading and at the end (peak), decode tokens a second at each batch size, prefill tokens a
-second of one --prefill-len prompt; for augury also its one-time conversion (seconds, peak RSS) and the
+second of one --prefill-len prompt; for augury also its one-time conversion (seconds, peak RSS) and first
+load (which packs the kernels' layouts and keeps them: the rounds time later starts), and the
 rows-per-verification-step table (a chain of R rows through the target and its output layer after
 --context tokens, over one row: what verifying a draft costs where decoding is bound by memory). At the
 --spec-sizes a random EAGLE-3 head of the target's shape (draft vocabulary 32000, the SGLang/vLLM
@@ -237,7 +238,7 @@ def _params(size: str, vocab: int) -> tuple[int, int]:
 def _brief(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"FAILED ({r['error']})"
-    keys = ("convert_s", "load_s", "peak_rss_gb", "decode", "prefill", "step_ms", "decode_ms")
+    keys = ("convert_s", "first_load_s", "load_s", "peak_rss_gb", "decode", "prefill", "step_ms", "decode_ms")
     return ", ".join(f"{k} {_fmt(r[k])}" for k in keys if k in r)
 
 
@@ -265,8 +266,9 @@ def format_tables(report: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"{head} failed: {r['error'][:120]} |")
                 continue
-            extra = f" (conversion {run['convert']['convert_s']:.0f} s, peak {run['convert']['peak_rss_gb']:.1f} GB)" \
-                if system == "augury" and "convert_s" in run.get("convert", {}) else ""
+            cv = run.get("convert", {})
+            extra = f" (conversion {cv['convert_s']:.0f} s, peak {cv['peak_rss_gb']:.1f} GB; first load " \
+                f"{cv.get('first_load_s', float('nan')):.1f} s)" if system == "augury" and "convert_s" in cv else ""
             rss = f"{r['load_rss_gb']:.2f} / {r['peak_rss_gb']:.2f}"
             lines.append(f"{head} {r['isa']} | {r['load_s']:.1f}{extra} | {rss} | "
                          + " | ".join(f"{r['decode'][str(b)]:.1f}" for b in bs) + f" | {r['prefill']:.1f} |")
