@@ -9,8 +9,10 @@ conversion's folder; a later load with the same key reads them straight into pla
 (checkpoint.TensorFile) and builds nothing. The key covers what decides the layouts: the side file
 (size and modification time), the dtype, the device, which of augury's kernels load here, and the
 bytes of the code that packs (this module's PACKING_SOURCES), so a changed packing never reads an
-old file. A file that cannot be read back in full (truncated, another format) is removed and the
-load packs afresh: the model is put together only once every module was read. Not under tensor
+old file. A module two paths share (a tied model's output layer and embedding hold one vocabulary
+matrix) is written once and read back as one object. A file that cannot be read back in full
+(truncated, another format) is removed and the load packs afresh: the model is put together only once
+every module was read. Not under tensor
 parallelism (each rank packs its own part) and on the CPU only.
 """
 from __future__ import annotations
@@ -89,8 +91,13 @@ def _value(desc: Any) -> Any:
     return tuple(desc["tuple"]) if "tuple" in desc else list(desc["list"])
 
 
-def _describe(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """module as plain data (its class, attributes, tensor slots, children), its tensors put in `tensors`."""
+def _describe(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], seen: dict[int, str]) -> dict[str, Any]:
+    """module as plain data (its class, attributes, tensor slots, children), its tensors put in `tensors`;
+    a module met before (`seen`: id -> the path it was first written at; a tied model's output layer and
+    embedding share one) as {"same_as": that path}, its tensors written once."""
+    if id(module) in seen:
+        return {"same_as": seen[id(module)]}
+    seen[id(module)] = prefix.removesuffix(".")
     cls = type(module)
     if not cls.__module__.startswith("augury.") and cls is not nn.ModuleList:
         raise Unsupported(f"{cls.__module__}.{cls.__qualname__} is not augury's")
@@ -106,12 +113,17 @@ def _describe(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]) 
                 if t.device.type != "cpu":
                     raise Unsupported(f"a tensor on {t.device}")
                 tensors[f"{prefix}{name}"] = t.detach()
-    children = {name: _describe(child, f"{prefix}{name}.", tensors) for name, child in module._modules.items()
+    children = {name: _describe(child, f"{prefix}{name}.", tensors, seen) for name, child in module._modules.items()
                 if child is not None}
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "attrs": attrs, **slots, "children": children}
 
 
-def _rebuild(desc: dict[str, Any], prefix: str, f: TensorFile) -> nn.Module:
+def _rebuild(desc: dict[str, Any], prefix: str, f: TensorFile, built: dict[str, nn.Module]) -> nn.Module:
+    """_describe's inverse; `built`: path -> each module rebuilt so far, for the "same_as" ones."""
+    if "same_as" in desc:
+        if desc["same_as"] not in built:
+            raise ValueError(f"{prefix.removesuffix('.')} is the same module as {desc['same_as']!r}, not read yet")
+        return built[desc["same_as"]]
     mod_name, _, qualname = desc["class"].partition(":")
     if not mod_name.startswith("augury.models.") and desc["class"] != _MODULE_LIST:
         raise ValueError(f"class {desc['class']!r} is not one of augury's models")
@@ -120,6 +132,7 @@ def _rebuild(desc: dict[str, Any], prefix: str, f: TensorFile) -> nn.Module:
         raise ValueError(f"{desc['class']!r} is not a module")
     module = cls.__new__(cls)
     nn.Module.__init__(module)
+    built[prefix.removesuffix(".")] = module
     for name, value in desc["attrs"].items():
         object.__setattr__(module, name, _value(value))
     for name, present in desc["buffers"].items():
@@ -127,14 +140,15 @@ def _rebuild(desc: dict[str, Any], prefix: str, f: TensorFile) -> nn.Module:
     for name, present in desc["params"].items():
         module.register_parameter(name, nn.Parameter(f.get_tensor(prefix + name), requires_grad=False) if present else None)
     for name, child in desc["children"].items():
-        module.add_module(name, _rebuild(child, f"{prefix}{name}.", f))
+        module.add_module(name, _rebuild(child, f"{prefix}{name}.", f, built))
     return module
 
 
 def _kernel_paths(model: nn.Module) -> dict[str, nn.Module]:
-    """The outermost kernel modules of `model` by path (what the GGUF load built)."""
+    """The outermost kernel modules of `model` by path (what the GGUF load built), a module shared by two
+    paths (a tied output layer's) under each."""
     out: dict[str, nn.Module] = {}
-    for path, module in model.named_modules():
+    for path, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, KernelModule) and not any(path.startswith(p + ".") for p in out):
             out[path] = module
     return out
@@ -145,8 +159,9 @@ def save(model: nn.Module, folder: Path, k: str, plan: dict[str, Any]) -> Path |
     Returns its path, or None where the cache cannot hold them (said at debug level) or the folder is
     not writable (a warning: the next start packs again)."""
     tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
     try:
-        modules = {path: _describe(m, f"{path}.", tensors) for path, m in _kernel_paths(model).items()}
+        modules = {path: _describe(m, f"{path}.", tensors, seen) for path, m in _kernel_paths(model).items()}
     except Unsupported as e:
         log.debug("packed layouts not cached: %s", e)
         return None
@@ -188,7 +203,8 @@ def load(folder: Path, k: str) -> tuple[dict[str, nn.Module], dict[str, Any]] | 
             meta = f.metadata
             if meta.get("format") != FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-            modules = {path: _rebuild(desc, f"{path}.", f) for path, desc in json.loads(meta["modules"]).items()}
+            built: dict[str, nn.Module] = {}
+            modules = {path: _rebuild(desc, f"{path}.", f, built) for path, desc in json.loads(meta["modules"]).items()}
             plan = json.loads(meta["plan"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         log.warning("packed layouts in %s unreadable (%s: %s): packing afresh", target, type(e).__name__, e)
