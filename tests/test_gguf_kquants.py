@@ -257,7 +257,7 @@ def kquant_folder(tmp_path_factory):
 def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, caplog) -> None:
     from augury.models.fused import FusedStack
     from augury.models.loader import load_target
-    from augury.models.quant import W8A8OutputLinear
+    from augury.models.native_embed import NativeOutputLinear
 
     with caplog.at_level("WARNING"):
         model, _ = load_target(kquant_folder, torch.bfloat16, torch.device("cpu"), 64, quantization="auto")
@@ -270,7 +270,7 @@ def test_a_q4_k_m_like_file_runs_every_linear_natively_and_fused(kquant_folder, 
     assert isinstance(l0.mlp.gate_up_proj, native.W4KLinear) and isinstance(l0.self_attn.o_proj, native.W4KLinear)
     assert isinstance(l1.mlp.gate_up_proj, native.W8GLinear) and l1.mlp.gate_up_proj.zero is not None  # Q5_0 + Q5_1
     assert isinstance(l0.mlp.down_proj, native.W6KLinear) and isinstance(l1.mlp.down_proj, native.W8GLinear)
-    assert isinstance(model.lm_head, W8A8OutputLinear)
+    assert isinstance(model.lm_head, NativeOutputLinear) and isinstance(model.lm_head.inner, native.W6KLinear)  # exact
     assert FusedStack.build(model) is not None  # the whole stack in one call, every kind in its table
 
 

@@ -20,6 +20,7 @@ import test_gguf
 from augury.cpu import kernels as cpu_kernels
 from augury.models import gguf_blocks, native
 from augury.models.native_embed import PackedEmbedding
+from augury.models.quant import W8A8OutputLinear
 
 QT = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(cpu_kernels.w4a8() is None or cpu_kernels.w8a8() is None,
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.w4a8() is None or cpu_kernels.w8a8()
 CPU = torch.device("cpu")
 # (token_embd type, tied): tied files keep their output layer in token_embd's type, as llama.cpp does
 CASES = [(QT.Q4_0, False), (QT.Q4_1, False), (QT.Q5_0, False), (QT.Q8_0, True), (QT.Q4_K, False),
-         (QT.Q5_K, False), (QT.Q6_K, True), (QT.Q4_K, True)]
+         (QT.Q5_K, False), (QT.Q6_K, True), (QT.Q4_K, True), (QT.Q5_K, True)]
 TABLE = {QT.Q4_0: native.W4FLinear, QT.Q4_1: native.W4FLinear, QT.Q5_0: native.W8GLinear,
          QT.Q8_0: native.W8GLinear, QT.Q4_K: native.W4KLinear, QT.Q5_K: native.W4KLinear,
          QT.Q6_K: native.W6KLinear}
@@ -57,15 +58,15 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("native-embed")
 
 
-def folder_for(root, qtype: QT, tied: bool):
-    """The conversion of a file with token_embd in `qtype` (the output layer too where tied; Q6_K where
-    not), its layers in Q8_0 (one per case, made once)."""
+def folder_for(root, qtype: QT, tied: bool, output: QT = QT.Q6_K):
+    """The conversion of a file with token_embd in `qtype` (the output layer too where tied; `output`
+    where not), its layers in Q8_0 (one per case, made once)."""
     from augury.models.gguf import convert_gguf_to_hf
 
-    key = (qtype, tied)
+    key = (qtype, tied, None if tied else output)
     if key not in _FOLDERS:
-        name = f"{qtype.name}-{'tied' if tied else 'untied'}"
-        types = {"token_embd": qtype, "output": QT.Q6_K}
+        name = f"{qtype.name}-{'tied' if tied else 'untied'}" + ("" if tied or output == QT.Q6_K else f"-{output.name}")
+        types = {"token_embd": qtype, "output": output}
         real = test_gguf._quantized
 
         def quantized(qtype, array, seed=0):  # K-quants: random blocks, scaled to the model's weights
@@ -83,6 +84,12 @@ def folder_for(root, qtype: QT, tied: bool):
             test_gguf._write_gguf(_model(tied), root / f"{name}.gguf", QT.Q8_0, tensor_types=types)
         _FOLDERS[key] = convert_gguf_to_hf(root / f"{name}.gguf", root / name, dtype=torch.bfloat16)
     return _FOLDERS[key]
+
+
+def shared_table(model) -> torch.nn.Module:
+    """The module a tied model's output layer holds its vocabulary matrix in."""
+    head = model.lm_head
+    return head if isinstance(head, W8A8OutputLinear) else head.inner
 
 
 def dense_embedding(folder) -> torch.Tensor:
@@ -120,9 +127,11 @@ def test_the_embedding_loads_packed_and_its_rows_are_the_dense_ones(root, qtype,
         old.unlink()  # packed afresh by swap_in; a second load reads it back from the cache (below)
     model, cfg = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")
     emb = model.embed_tokens
-    assert isinstance(emb, PackedEmbedding) and isinstance(emb.table, TABLE[qtype])
+    # tied: the output layer's own module (a Q8_0 output layer's w8a8 panels), one copy of the matrix
+    assert isinstance(emb, PackedEmbedding) and (not tied or emb.table is shared_table(model))
+    assert isinstance(emb.table, W8A8OutputLinear if (qtype, tied) == (QT.Q8_0, True) else TABLE[qtype])
     assert (emb.num_embeddings, emb.embedding_dim) == (cfg.vocab_size, cfg.hidden_size) == (261, 256)
-    assert model.lm_head is not None  # tied: the output layer is a module of its own
+    assert model.lm_head is not None  # tied: the output layer is built natively
     want = dense_embedding(folder)
     assert want.unique().numel() > 1000  # not degenerate
     ids = ids_2d(cfg.vocab_size)
@@ -135,8 +144,10 @@ def test_the_embedding_loads_packed_and_its_rows_are_the_dense_ones(root, qtype,
     with pytest.raises(IndexError):
         emb(torch.tensor([cfg.vocab_size]))
     assert any(folder.glob(f"{packed_cache.PREFIX}*"))
-    again = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")[0].embed_tokens
+    reloaded = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")[0]
+    again = reloaded.embed_tokens
     assert isinstance(again, PackedEmbedding) and same_bits(again(ids), expect)
+    assert not tied or again.table is shared_table(reloaded)
     # the packed table holds fewer bytes than the dense one's 2 a weight
     packed = sum(t.numel() * t.element_size() for t in emb.buffers())
     assert packed < 0.7 * want.numel() * 2

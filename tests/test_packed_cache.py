@@ -129,3 +129,36 @@ def test_a_module_it_cannot_describe_keeps_nothing(tmp_path) -> None:
     model.add_module("odd", Odd())
     assert packed_cache.save(model, tmp_path, "k", {}) is None
     assert not list(tmp_path.iterdir())
+
+
+@needs_kernels
+def test_a_module_two_paths_share_is_written_once_and_read_back_as_one(tmp_path) -> None:
+    """A tied output layer and embedding over one native linear: the file holds its tensors once, and
+    the modules read back share one object again (the same tensors, not copies), with the same bits."""
+    import gguf
+    from safetensors import safe_open
+    from test_gguf_kquants import blocks
+
+    from augury.models import gguf_blocks
+    from augury.models.native_embed import NativeOutputLinear, PackedEmbedding, output_layer
+
+    kind, parts = gguf_blocks.decode(blocks(gguf.GGMLQuantizationType.Q6_K, 40, 256, seed=9),
+                                     gguf.GGMLQuantizationType.Q6_K)
+    head = output_layer(kind, lambda a, b: {k: torch.from_numpy(v[a:b]) for k, v in parts.items()}, 40,
+                        torch.bfloat16, CPU)
+    assert isinstance(head, NativeOutputLinear)
+    model = torch.nn.Module()
+    model.embed_tokens = PackedEmbedding(head.inner, 40)
+    model.lm_head = head
+    path = packed_cache.save(model, tmp_path, "k", {"count": 1})
+    with safe_open(str(path), framework="pt") as f:
+        names = sorted(f.keys())
+    assert names == sorted(f"embed_tokens.table.{n}" for n, _ in head.inner.named_buffers())
+    modules, plan = packed_cache.load(tmp_path, "k")
+    assert plan == {"count": 1}
+    emb, out = modules["embed_tokens"], modules["lm_head"]
+    assert isinstance(out, NativeOutputLinear) and out.inner is emb.table
+    ids = torch.tensor([0, 15, 16, 39, 3])
+    assert torch.equal(emb(ids).view(torch.int16), model.embed_tokens(ids).view(torch.int16))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(out(x), head(x))

@@ -35,8 +35,7 @@ from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
 from augury.models.fused import KernelModule, linear_fields
-from augury.models.quant import (INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, W8A8OutputLinear, _QuantLinear,
-                                 pack_output_rows)
+from augury.models.quant import INT4_GROUP, INT4_N_MULTIPLE, Int4Linear, _QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +73,11 @@ class W4FLinear(_QuantLinear):
     def scales_device(self) -> torch.device:
         return self.scale.device
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         kernel = cpu_kernels.w4a8()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
-        return kernel.linear(x, self.codes, self.scale, self.zero)
+        return kernel.linear(x, self.codes, self.scale, self.zero, out_dtype)
 
     def fused_fields(self) -> list[int] | None:
         b = self.bias
@@ -125,11 +124,11 @@ class W4KLinear(_QuantLinear):
     def scales_device(self) -> torch.device:
         return self.sm.device
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         kernel = cpu_kernels.w4a8()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
-        return kernel.linear_k(x, self.codes, self.sm, self.dd, self.high)
+        return kernel.linear_k(x, self.codes, self.sm, self.dd, self.high, out_dtype)
 
     def fused_fields(self) -> list[int] | None:
         b = self.bias
@@ -170,11 +169,11 @@ class W6KLinear(_QuantLinear):
     def scales_device(self) -> torch.device:
         return self.d.device
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         kernel = cpu_kernels.w8a8()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's w8a8 kernel, which is unavailable now")
-        return kernel.linear6(x, self.codes, self.d, self.sub)
+        return kernel.linear6(x, self.codes, self.d, self.sub, out_dtype)
 
     def fused_fields(self) -> list[int] | None:
         b = self.bias
@@ -220,11 +219,11 @@ class W8GLinear(_QuantLinear):
     def scales_device(self) -> torch.device:
         return self.scale.device
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         kernel = cpu_kernels.w8a8()
         if kernel is None:
             raise RuntimeError("this linear was packed for augury's w8a8 kernel, which is unavailable now")
-        return kernel.linear_general(x, self.codes, self.scale, self.zero, self.sub)
+        return kernel.linear_general(x, self.codes, self.scale, self.zero, self.sub, out_dtype)
 
     def fused_fields(self) -> list[int] | None:
         b = self.bias
@@ -383,39 +382,3 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
     return W8GLinear(_rows([p["codes"] for p in q]), _rows([p["scale"].float() for p in q]),
                      joined("zero", k_in // INT4_GROUP, 0.0, torch.float32), joined("sub", k_in // 16, 1, torch.int8),
                      bias)
-
-
-def output_layer(kind: str, part: Part, dtype: torch.dtype, device: torch.device) -> W8A8OutputLinear | None:
-    """The output layer from one q8g or q4k tensor on the w8a8 kernel (float32 logits, chosen columns
-    for grammars): a Q8_0 tensor's codes and scales as they are (exact), another type (Q6_K, Q5_*,
-    Q4_K) requantised by Q8_0's rule from its exact float32 values (the kernel has one scale per 32
-    and no zero: within half a Q8_0 step of the format's values). None off the CPU, outside bfloat16
-    or without the kernel."""
-    if kind in ("q4k", "q5k"):
-        part = _q4k_scales(part)
-    elif kind == "q6k":
-        part = _as_q8g(kind, part)
-    kernel = cpu_kernels.w8a8()
-    codes = part["codes"]
-    n, k = codes.shape
-    if kernel is None or dtype != torch.bfloat16 or device.type != "cpu" or k % INT4_GROUP:
-        return None
-    shape = torch.empty(n, k, device="meta")
-    if part.get("zero") is None and part.get("sub") is None:
-        pad = (-n) % INT4_N_MULTIPLE  # the panels hold whole 16s; the kernel never stores the padding
-        c = torch.cat([codes, codes.new_zeros(pad, k)]) if pad else codes
-        s = part["scale"].float()
-        s = torch.cat([s, s.new_zeros(pad, s.shape[1])]) if pad else s
-        packed = kernel.pack_codes(c, s)[:2]
-        return W8A8OutputLinear(shape, kernel, packed)  # type: ignore[arg-type]
-
-    def rows(a: int, b: int) -> torch.Tensor:  # the exact float32 values of rows a..b-1
-        w = part["scale"][a:b].float().repeat_interleave(INT4_GROUP, dim=1)
-        if part.get("sub") is not None:
-            w = w * part["sub"][a:b].float().repeat_interleave(INT4_GROUP // 2, dim=1)
-        w = w * codes[a:b].float()
-        if part.get("zero") is not None:
-            w = w + part["zero"][a:b].float().repeat_interleave(INT4_GROUP, dim=1)
-        return w
-
-    return W8A8OutputLinear(shape, kernel, pack_output_rows(kernel, rows, n, k))  # type: ignore[arg-type]

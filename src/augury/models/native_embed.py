@@ -1,4 +1,4 @@
-"""A GGUF token embedding kept in its own format: only the rows looked up are dequantised.
+"""A GGUF vocabulary matrix kept in its own format: the token embedding and the output layer, once.
 
 A model's token embedding is its largest tensor after the output layer (Llama-3.2-1B: 128256 x 2048,
 525 MB in bfloat16); a step looks up a few of its rows. `PackedEmbedding` holds the table as one
@@ -10,8 +10,14 @@ bfloat16, so the rows are the dense bfloat16 embedding a conversion writes (gguf
 the same way), bit for bit. Q4_0 / Q4_1 are held on W4FLinear (w = q d + m, float32 per 32: 6 bits
 a weight) instead of the int4 linear's bfloat16 scales, which would round d; Q4_0's rows are computed
 as d (q - 8), as gguf-py does (q d - 8 d gives the same numbers but +0.0 where d (q - 8) is -0.0).
-The kernels never multiply this table: the tied output layer, where there is one, is its own module
-(models/native_load.py).
+
+`output_layer` builds the output layer from one GGUF tensor in its own type, exactly: Q8_0 (and Q5_0,
+whose codes and scales are Q8_0's form) as a W8A8OutputLinear on its panels as they are (chosen
+columns for grammars), any other type as a `NativeOutputLinear` around the type's native linear
+(Q6_K on W6KLinear, Q4_K / Q5_K on W4KLinear, Q5_1 on W8GLinear), float32 logits from the same
+kernels. A tied model's embedding is then a PackedEmbedding over that very module (the inner linear,
+or the W8A8OutputLinear's panels): one copy of the matrix, as llama.cpp keeps it. Both are packed
+BUILD_ROWS rows at a time (`packed_table`), never a whole float32 or byte-a-code copy.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from torch import nn
 from augury.cpu import kernels as cpu_kernels
 from augury.models import native
 from augury.models.fused import KernelModule
-from augury.models.quant import INT4_N_MULTIPLE
+from augury.models.quant import INT4_N_MULTIPLE, W8A8OutputLinear
 
 PANELS_AT_ONCE = 64  # panels of 16 rows dequantised at a time: float32 temporaries of 1024 rows
 BUILD_ROWS = 4096  # rows packed at a time (a multiple of 16): one chunk's temporaries, not the table's
@@ -54,6 +60,38 @@ def _q4_as_w4f(part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
             "zero": torch.from_numpy(m.astype(np.float32))}
 
 
+def packed_table(kind: str, rows: Callable[[int, int], dict[str, torch.Tensor]], n: int, dtype: torch.dtype,
+                 device: torch.device, make: Callable[[dict[str, torch.Tensor]], nn.Module | None] | None = None
+                 ) -> nn.Module | None:
+    """The native linear of an [n, K] GGUF tensor, `rows(a, b)` giving rows a..b-1 of its parts (models/
+    native_load's read: codes a byte a code, their scales), its rows rounded up to whole panels of 16
+    (the padding rows 0), packed BUILD_ROWS rows at a time into the whole table's buffers: every panel
+    is packed alone, so the same bits as packing it whole, without a whole table's temporaries. `make`
+    builds one chunk's linear (default native.build of `kind`). None where a chunk cannot be built here
+    (another dtype or device, no kernel)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or kind not in native.KINDS:
+        return None
+    padded = -(-n // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
+    table, full = None, {}
+    for a in range(0, padded, BUILD_ROWS):
+        b = min(a + BUILD_ROWS, padded)
+        part = _padded(rows(a, min(b, n)), b - a)
+        chunk = make(part) if make is not None else native.build([kind], [part], None, dtype, device)
+        if chunk is None:
+            return None
+        if table is None:
+            table = chunk
+        for k, v in chunk._buffers.items():  # a buffer a chunk lacks (Q5_K's fifth bits, none set) is zeros
+            if v is not None:
+                if full.get(k) is None:
+                    full[k] = v.new_zeros(padded // INT4_N_MULTIPLE, *v.shape[1:])
+                full[k][a // INT4_N_MULTIPLE: b // INT4_N_MULTIPLE] = v
+    for k, v in full.items():
+        table.register_buffer(k, v)
+    table.out_features = padded
+    return table
+
+
 def _subset(table: nn.Module, panels: torch.Tensor) -> nn.Module:
     """`table` restricted to some of its panels: a detached copy of the module whose buffers are those
     panels alone (every packed buffer's first dimension), for its own dequantize(). Built without
@@ -71,11 +109,13 @@ class PackedEmbedding(KernelModule, nn.Module):
     kernel_devices = ("cpu",)
 
     def __init__(self, table: nn.Module, num_embeddings: int, q4_0: bool = False) -> None:
-        """table: a native linear of [num_embeddings rounded up to 16, embedding_dim] (build()); q4_0: a
+        """table: a native linear of [num_embeddings rounded up to 16, embedding_dim] (build(), or a tied
+        NativeOutputLinear's inner linear), or a tied W8A8OutputLinear (its panels' rows); q4_0: a
         W4FLinear holding Q4_0, whose values are computed as gguf-py does, d (q - 8)."""
         super().__init__()
-        if table.out_features < num_embeddings or table.out_features % INT4_N_MULTIPLE:
-            raise ValueError(f"a table of {table.out_features} rows cannot hold {num_embeddings} embeddings")
+        held = table.codes.shape[0] * INT4_N_MULTIPLE  # every kind's codes: panels of 16 rows first
+        if held < num_embeddings or not isinstance(table, W8A8OutputLinear) and table.out_features != held:
+            raise ValueError(f"a table of {held} rows cannot hold {num_embeddings} embeddings")
         self.table = table
         self.num_embeddings, self.embedding_dim = num_embeddings, table.in_features
         self.dtype = torch.bfloat16
@@ -84,44 +124,30 @@ class PackedEmbedding(KernelModule, nn.Module):
     @staticmethod
     def build(kind: str, rows: Callable[[int, int], dict[str, torch.Tensor]], vocab: int, dtype: torch.dtype,
               device: torch.device, source: str | None = None) -> "PackedEmbedding | None":
-        """From one GGUF tensor's native parts, `rows(a, b)` giving rows a..b-1 of each (models/native_load's
-        read: codes a byte a code, their scales; source its GGUF type, as the side file's index names it),
-        packed BUILD_ROWS rows at a time into the whole table's buffers (every panel is packed alone, so
-        the same bits as packing it whole, without a whole table's temporaries). None where it cannot be
-        held packed here (another dtype or device, no kernel to pack for, a Q4_1 zero whose m is
-        ambiguous): the caller keeps the embedding dense."""
-        if dtype != torch.bfloat16 or device.type != "cpu" or kind not in native.KINDS:
+        """From one GGUF tensor's native parts (packed_table's `rows`; source its GGUF type, as the side
+        file's index names it). None where it cannot be held packed here (another dtype or device, no
+        kernel to pack for, a Q4_1 zero whose m is ambiguous): the caller keeps the embedding dense."""
+        zeros = [True]
+
+        def make(part: dict[str, torch.Tensor]) -> nn.Module | None:
+            if kind != "int4":
+                return native.build([kind], [part], None, dtype, device)
+            zeros[0] = zeros[0] and not part["zero"].any()
+            part = _q4_as_w4f(part)
+            return None if part is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32 else \
+                native.W4FLinear(part["codes"], part["scale"], part["zero"], None)
+
+        table = packed_table(kind, rows, vocab, dtype, device, make)
+        if table is None:
             return None
-        padded = -(-vocab // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
-        table, full, zeros = None, {}, True
-        for a in range(0, padded, BUILD_ROWS):
-            b = min(a + BUILD_ROWS, padded)
-            part = _padded(rows(a, min(b, vocab)), b - a)
-            if kind == "int4":
-                zeros = zeros and not part["zero"].any()
-                part = _q4_as_w4f(part)
-                chunk = None if part is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32 else \
-                    native.W4FLinear(part["codes"], part["scale"], part["zero"], None)
-            else:
-                chunk = native.build([kind], [part], None, dtype, device)
-            if chunk is None:
-                return None
-            if table is None:
-                table = chunk
-            for k, v in chunk._buffers.items():  # a buffer a chunk lacks (Q5_K's fifth bits, none set) is zeros
-                if v is not None:
-                    if full.get(k) is None:
-                        full[k] = v.new_zeros(padded // INT4_N_MULTIPLE, *v.shape[1:])
-                    full[k][a // INT4_N_MULTIPLE: b // INT4_N_MULTIPLE] = v
-        for k, v in full.items():
-            table.register_buffer(k, v)
-        table.out_features = padded
-        q4_0 = kind == "int4" and (source == "Q4_0" or (source is None and zeros))  # an index without types
+        q4_0 = kind == "int4" and (source == "Q4_0" or (source is None and zeros[0]))  # an index without types
         return PackedEmbedding(table, vocab, q4_0)
 
     def _values(self, panels: torch.Tensor) -> torch.Tensor:
         """The float32 values of some panels [16 n, H], each as gguf-py computes it."""
         sub = _subset(self.table, panels)
+        if isinstance(sub, W8A8OutputLinear):  # a tied Q8_0 output layer's panels: scale times code
+            return cpu_kernels.W8A8.unpack(sub.codes, sub.scale, sub.codes.shape[0] * INT4_N_MULTIPLE)
         if not self.q4_0:
             return sub.dequantize()
         # d (q - 8) rather than q d - 8 d: the same numbers, and a zero's sign as d's (-0.0 where d < 0)
@@ -160,3 +186,53 @@ class PackedEmbedding(KernelModule, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, packed as {type(self.table).__name__}"
+
+
+class NativeOutputLinear(KernelModule, nn.Module):
+    """The output layer [out_features, in_features] in its GGUF type's own values: `inner`, the type's
+    native linear (models/native.py, its rows rounded up to whole panels of 16), run for float32 logits
+    (its kernel rounds the activations to int8 per 32, as the w8a8 output layer's does). Rows are
+    row-count invariant (each output is its own row's). No `columns`: a grammar-masked step computes
+    the whole row (TargetModel.masked_logits declines)."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, inner: nn.Module, out_features: int) -> None:
+        super().__init__()
+        if not out_features <= inner.out_features < out_features + INT4_N_MULTIPLE:
+            raise ValueError(f"a linear of {inner.out_features} rows is not an output layer of {out_features}")
+        self.inner = inner
+        self.out_features, self.in_features = out_features, inner.in_features
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.inner._kernel(x.reshape(-1, shape[-1]), torch.float32)
+        if y.shape[1] != self.out_features:  # the last panel's padding rows
+            y = y[:, :self.out_features].contiguous()
+        return y.view(*shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [out, in] weight, float32 (dequantised on each call: for rare callers, never a step's)."""
+        return self.inner.dequantize()[:self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {type(self.inner).__name__}"
+
+
+def output_layer(kind: str, rows: Callable[[int, int], dict[str, torch.Tensor]], n: int, dtype: torch.dtype,
+                 device: torch.device) -> nn.Module | None:
+    """The output layer from one GGUF tensor of a native kind other than int4 (packed_table's `rows`, n
+    rows), in its exact values: a W8A8OutputLinear where the type is int8 codes with a float32 scale per
+    32 and nothing else (Q8_0, Q5_0: the w8a8 output kernel's own panels, with chosen columns), else a
+    NativeOutputLinear. None off the CPU, outside bfloat16 or without the kernels."""
+    if kind == "int4":
+        return None
+    table = packed_table(kind, rows, n, dtype, device)
+    if table is None:
+        return None
+    if isinstance(table, native.W8GLinear) and table.zero is None and table.sub is None:
+        shape = torch.empty(n, table.in_features, device="meta")
+        return W8A8OutputLinear(shape, cpu_kernels.w8a8(), (table.codes, table.scale))
+    return NativeOutputLinear(table, n)

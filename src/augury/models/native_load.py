@@ -5,11 +5,14 @@ the side file (gguf.INT4_FILE) can run natively, one at a time: its tensors' blo
 file's mmap (this rank's part under tensor parallelism), packed for its kernel (models/native.py),
 put in the model's place; only the temporaries of one linear live beside the weights built so far.
 No dense copy of those linears is ever made, nor of the token embedding where it stays in its GGUF
-type (models/native_embed.py: bfloat16 on the CPU, unsharded, and a tied output layer built on its
-own): the loader then materialises and copies only what is left (norms, linears with no native kind,
-an embedding kept dense), and `finish` gives those linears their fallbacks (the output layer on the
-w8a8 kernel or fbgemm, Q8_0 as int8 per channel), which need the dense weights. The codes travel as
-uint8 (a byte a code) until packed.
+type (models/native_embed.py: bfloat16 on the CPU, unsharded, and a tied output layer built natively).
+The output layer is built first, in its own type and exactly (native_embed.output_layer: Q8_0 on the
+w8a8 output kernel's panels, Q6_K / Q4_K / Q5_K on their native linears, float32 logits), a chunk of
+rows at a time; a tied model's embedding then looks its rows up in that same module (one copy of the
+vocabulary matrix), an untied one's is packed from its own tensor. The loader then materialises and
+copies only what is left (norms, linears with no native kind, an embedding kept dense), and `finish`
+gives those linears their fallbacks (the output layer on the w8a8 kernel or fbgemm, Q8_0 as int8 per
+channel), which need the dense weights. The codes travel as uint8 (a byte a code) until packed.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 from augury.models import native, quant
 from augury.models.dense import packed_output_layer
 from augury.models.llama import TargetModel
-from augury.models.native_embed import PackedEmbedding
+from augury.models.native_embed import NativeOutputLinear, PackedEmbedding, output_layer
 from augury.models.checkpoint import TensorFile, shard_part
 from augury.models.quant import INT4_FILE, INT4_FORMAT, INT4_INDEX
 
@@ -100,20 +103,43 @@ def _dense_module(model: TargetModel, path: str) -> torch.nn.Module:
     return model.embed_tokens if path == "lm_head" and model.lm_head is None else model.get_submodule(path)
 
 
+def _output_layer(model: TargetModel, f: TensorFile, stored: set[str], name: str, kind: str, dense: torch.nn.Module,
+                  dtype: torch.dtype, device: torch.device) -> torch.nn.Module | None:
+    """The output layer from GGUF tensor `name` in its own type (native_embed.output_layer), this rank's
+    vocabulary rows read a chunk at a time."""
+    total = f.shape(f"{name}.codes")[0]
+    part = None if model.shard is None else shard_part(name, model.full_cfg, model.shard)
+    lo, hi = (0, total) if part is None else part[1:3]
+    vocab, hidden = dense.weight.shape
+    if hi - lo != vocab:
+        raise ValueError(f"{INT4_FILE}: {name} gives {hi - lo} rows, expected {vocab}")
+    new = output_layer(kind, lambda a, b: _read_parts(f, stored, name, kind, (0, lo + a, lo + b, total)), vocab,
+                       dtype, device)
+    if new is not None and new.in_features != hidden:
+        raise ValueError(f"{INT4_FILE}: {name} has {new.in_features} columns, expected {hidden}")
+    return new
+
+
 def _pack_embedding(model: TargetModel, kind: str | None, f: TensorFile, stored: set[str], plan: NativePlan,
-                    dtype: torch.dtype, device: torch.device) -> None:
-    """The token embedding kept in its GGUF type (models/native_embed.py), read and packed a chunk of
-    rows at a time, no dense copy made: where it has a native kind, the model runs bfloat16 on the CPU,
-    whole (a tensor-parallel rank keeps its vocabulary rows dense) and, tied, its output layer was built
-    on its own (else that layer reads the dense table, which stays)."""
+                    tied: bool, dtype: torch.dtype, device: torch.device) -> None:
+    """The token embedding kept in its GGUF type (models/native_embed.py), no dense copy made: where it
+    has a native kind, the model runs bfloat16 on the CPU, whole (a tensor-parallel rank keeps its
+    vocabulary rows dense) and, tied, its output layer was built natively (else that layer reads the
+    dense table, which stays). Tied, it looks its rows up in the output layer's own module where that
+    holds the GGUF type's values (native_embed.output_layer's); else it is read and packed a chunk of
+    rows at a time."""
     if kind is None or model.shard is not None or model.lm_head is None or dtype != torch.bfloat16 \
             or device.type != "cpu":
         return
     vocab, hidden = model.embed_tokens.weight.shape
     if (got := f.shape(f"{EMBEDDING}.codes")[0]) != vocab:
         raise ValueError(f"{INT4_FILE}: {EMBEDDING} has {got} rows, expected {vocab}")
-    new = PackedEmbedding.build(kind, lambda a, b: _read_parts(f, stored, EMBEDDING, kind, (0, a, b, vocab)), vocab,
-                                dtype, device, plan.sources.get(EMBEDDING))
+    head = model.lm_head
+    if tied and isinstance(head, (NativeOutputLinear, quant.W8A8OutputLinear)) and head.out_features == vocab:
+        new = PackedEmbedding(head.inner if isinstance(head, NativeOutputLinear) else head, vocab)
+    else:
+        new = PackedEmbedding.build(kind, lambda a, b: _read_parts(f, stored, EMBEDDING, kind, (0, a, b, vocab)),
+                                    vocab, dtype, device, plan.sources.get(EMBEDDING))
     release_freed_memory()
     if new is None:
         return
@@ -141,8 +167,9 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
     """Builds each linear the side file runs natively and puts it in `model` (still on the meta device
     elsewhere): Q4_0/Q4_1 as int4, Q4_K on w4a8's super-block form, Q8_0/Q6_K/Q5_* on w8a8's forms,
     all in their exact values (int4 scales rounded to `dtype`); an output layer of those kinds other
-    than Q4 on the w8a8 kernel (Q8_0 as it is, the others requantised by Q8_0's rule). `read_dense`
-    reads a checkpoint tensor (this rank's part) for the biases."""
+    than Q4 in its own type (native_embed.output_layer: Q8_0 on the w8a8 output kernel as it is), and a
+    tied model's embedding over that same module. `read_dense` reads a checkpoint tensor (this rank's
+    part) for the biases."""
     kinds, sources = read_index(folder)
     plan = NativePlan(sources)
     shard = model.shard
@@ -158,7 +185,7 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
         # then the embedding's, for the same reason
         for path in ["lm_head", "embed_tokens", *(p for p in linears if p != "lm_head")]:
             if path == "embed_tokens":
-                _pack_embedding(model, kinds.get(EMBEDDING), f, stored, plan, dtype, device)
+                _pack_embedding(model, kinds.get(EMBEDDING), f, stored, plan, tied, dtype, device)
                 continue
             names = linears[path]
             dense = _dense_module(model, path)
@@ -168,9 +195,9 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
                 p is None or p[0] == 0 or (p[1] % w == 0 and p[2] % w == 0) for p, w in
                 ((shard_part(n, model.full_cfg, shard), 256 if kinds.get(n) in ("q4k", "q5k", "q6k") else
                   quant.INT4_GROUP) for n in names))
-            output_q8 = path == "lm_head" and part_kinds != ["int4"]  # the output layer: int8 per 32 unless Q4
+            output = path == "lm_head" and part_kinds != ["int4"]  # the output layer in its own type unless Q4
             new = None
-            if whole and not output_q8 and native.plan(part_kinds) is not None:
+            if whole and not output and native.plan(part_kinds) is not None:
                 blocks = [read(n) for n in names]
                 got = (sum(b["codes"].shape[0] for b in blocks), blocks[0]["codes"].shape[1])
                 if got != tuple(dense.weight.shape):
@@ -189,9 +216,9 @@ def swap_in(model: TargetModel, folder: Path, dtype: torch.dtype, device: torch.
                 else:
                     plan.covered.update(biases)
                     plan.count += 1
-            elif output_q8 and whole and part_kinds[0] in ("q8g", "q4k", "q5k", "q6k"):
-                new = native.output_layer(part_kinds[0], read(names[0]), dtype, device)
-                plan.count += new is not None and sources.get(names[0]) == "Q8_0"
+            elif output and whole and part_kinds[0] in native.KINDS:
+                new = _output_layer(model, f, stored, names[0], part_kinds[0], dense, dtype, device)
+                plan.count += new is not None
             release_freed_memory()
             if new is None:
                 plan.left[path] = names
