@@ -13,6 +13,7 @@ from test_gguf_kquants import kquant_folder, needs_kernels  # noqa: F401 - the m
 
 from augury.cpu import kernels as cpu_kernels
 from augury.models import packed_cache
+from augury.models.checkpoint import TensorWriter
 from augury.models.loader import load_target
 from augury.models.quant import PACKED_PREFIX
 
@@ -69,6 +70,29 @@ def test_the_second_load_packs_nothing_and_gives_the_first_loads_bits(folder, mo
     second = _load(folder)
     assert _kept(folder) == kept
     _same(first, second)
+
+
+def _mapped_files() -> list[tuple[int, int, str]]:
+    out = []
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, parts[5]))
+    return out
+
+
+@needs_kernels
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_a_later_load_views_the_files_pages_in_place(folder) -> None:
+    _load(folder)
+    (kept,) = _kept(folder)
+    model = _load(folder)
+    maps = [(lo, hi) for lo, hi, name in _mapped_files() if name == str(kept)]
+    assert maps, "the cache file is not mapped"
+    tensors = [t for m in packed_cache._kernel_paths(model).values() for t in m.buffers() if t.numel()]
+    assert tensors and all(any(lo <= t.data_ptr() < hi for lo, hi in maps) for t in tensors)
+    assert all(t.data_ptr() % packed_cache.ALIGN == 0 for t in tensors)
 
 
 @needs_kernels
@@ -152,7 +176,7 @@ def test_a_module_two_paths_share_is_written_once_and_read_back_as_one(tmp_path)
     model.lm_head = head
     path = packed_cache.save(model, tmp_path, "k", {"count": 1})
     with safe_open(str(path), framework="pt") as f:
-        names = sorted(f.keys())
+        names = sorted(k for k in f.keys() if not k.startswith(TensorWriter.PAD))  # the gaps that align tensors
     assert names == sorted(f"embed_tokens.table.{n}" for n, _ in head.inner.named_buffers())
     modules, plan = packed_cache.load(tmp_path, "k")
     assert plan == {"count": 1}

@@ -123,20 +123,31 @@ class TensorWriter:
     """A safetensors file written a tensor at a time (8 bytes of header length, the JSON header, then
     the tensors' bytes back to back): room for the header reserved first, bounded from the names to
     come, each tensor appended as it is made, the header written last, padded with spaces (as the
-    format allows; safetensors' own writer pads too). Memory: the tensor being added."""
+    format allows; safetensors' own writer pads too). Memory: the tensor being added. `align`: each
+    tensor's bytes start at a multiple of it in the file (for a reader that maps the file and views
+    the tensors in place), the gaps held by `PAD`-named uint8 entries (the format has no holes)."""
 
     _ENTRY = 160  # bytes of header an entry may take beyond its name: dtype, a 2-D shape, two offsets
     _DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    PAD = "__pad__"
 
-    def __init__(self, path: Path, names: list[str], metadata: dict[str, str]) -> None:
-        self._room = 64 + len(json.dumps({"__metadata__": metadata})) + sum(len(n) + self._ENTRY for n in names)
-        self._room += -self._room % 8  # the data starts 8-byte aligned
+    def __init__(self, path: Path, names: list[str], metadata: dict[str, str], align: int = 8) -> None:
+        pads = len(names) if align > 8 else 0
+        self._room = 64 + len(json.dumps({"__metadata__": metadata})) + sum(len(n) + self._ENTRY for n in names) \
+            + pads * (len(self.PAD) + 8 + self._ENTRY)
+        self._room += -(8 + self._room) % max(align, 8)  # the data starts aligned
+        self._align = align
         self._header: dict[str, Any] = {"__metadata__": metadata}
         self._offset = 0
         self._f = open(path, "wb")
         self._f.seek(8 + self._room)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._align > 8 and (gap := -self._offset % self._align):
+            self._f.write(bytes(gap))
+            self._header[f"{self.PAD}{self._offset}"] = {"dtype": "U8", "shape": [gap],
+                                                         "data_offsets": [self._offset, self._offset + gap]}
+            self._offset += gap
         t = tensor.contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
         self._f.write(memoryview(data))

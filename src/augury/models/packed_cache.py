@@ -5,8 +5,10 @@ and requantising a K-quant output layer take most of a start: on a Llama-3.2-1B-
 (128k vocabulary, 2 threads), 8.4 of an 11.4 s load. The first load of a conversion writes every
 kernel module it built (their tensors as the kernels read them, the few plain attributes that
 describe them, and the load plan's bookkeeping) to `augury-packed-<key>.safetensors` in the
-conversion's folder; a later load with the same key reads them straight into place with plain reads
-(checkpoint.TensorFile) and builds nothing. The key covers what decides the layouts: the side file
+conversion's folder, each tensor at a 64-byte boundary; a later load with the same key maps the file
+copy-on-write and takes each tensor as a view of its pages (`_Mapped`), reading nothing it does not
+touch, and builds nothing (the pages are the page cache's, shared by every process that maps the file,
+as llama.cpp maps its GGUF; the weights are never written, so no page is copied). The key covers what decides the layouts: the side file
 (size and modification time), the dtype, the device, which of augury's kernels load here, and the
 bytes of the code that packs (this module's PACKING_SOURCES), so a changed packing never reads an
 old file. A module two paths share (a tied model's output layer and embedding hold one vocabulary
@@ -21,6 +23,7 @@ import hashlib
 import importlib
 import json
 import logging
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from augury.models.quant import INT4_FILE, INT4_INDEX, PACKED_PREFIX as PREFIX
 log = logging.getLogger(__name__)
 
 FORMAT = "augury-packed-v1"
+ALIGN = 64  # each tensor's bytes in the file start at a multiple of this (a cache line): mapped in place
 # the modules whose code decides a packed layout: any change to them makes a new key
 PACKING_SOURCES = ("models/native.py", "models/native_load.py", "models/native_embed.py", "models/quant.py",
                    "models/dense.py", "models/fused.py", "models/packed_cache.py", "cpu/kernels.py")
@@ -144,6 +148,27 @@ def _rebuild(desc: dict[str, Any], prefix: str, f: TensorFile, built: dict[str, 
     return module
 
 
+class _Mapped(TensorFile):
+    """The cache file mapped copy-on-write: each tensor a view of the file's pages where it starts ALIGN-
+    aligned (every one this module writes), a copy otherwise. The weights are never written, so their
+    pages stay the page cache's, shared with every process that maps the file, and a start reads nothing
+    it does not touch (as llama.cpp maps its GGUF); the map lives as long as a tensor views it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        try:
+            self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            self._map = None
+
+    def get_tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        dtype, shape, begin, end = self._entries[name]
+        at = self._start + begin
+        if self._map is None or rows is not None or end == begin or at % ALIGN or end + self._start > len(self._map):
+            return super().get_tensor(name, rows)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=at).view(dtype).reshape(shape)
+
+
 def _kernel_paths(model: nn.Module) -> dict[str, nn.Module]:
     """The outermost kernel modules of `model` by path (what the GGUF load built), a module shared by two
     paths (a tied output layer's) under each."""
@@ -171,7 +196,7 @@ def save(model: nn.Module, folder: Path, k: str, plan: dict[str, Any]) -> Path |
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     meta = {"format": FORMAT, "modules": json.dumps(modules), "plan": json.dumps(plan)}
     try:
-        writer = TensorWriter(tmp, list(tensors), meta)
+        writer = TensorWriter(tmp, list(tensors), meta, align=ALIGN)
         try:
             for name, t in tensors.items():
                 writer.add(name, t)
@@ -199,7 +224,7 @@ def load(folder: Path, k: str) -> tuple[dict[str, nn.Module], dict[str, Any]] | 
     if not target.is_file():
         return None
     try:
-        with TensorFile(target) as f:
+        with _Mapped(target) as f:
             meta = f.metadata
             if meta.get("format") != FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
