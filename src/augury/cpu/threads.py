@@ -303,11 +303,35 @@ class ThreadChoice:
 
 
 _choice = ThreadChoice()
+# The output layer's own: its cost by thread count is not the stack's (a 1B model's Q6_K output layer,
+# 128256 x 2048, at one row: 6.5 ms on 2 threads, 10.8 on 1; the layer stack, bound by memory, lost
+# little on 1), so a decode bucket whose stack settled on 1 thread ran its output layer on 1 too, and
+# `augury bench --workload scale` saw 31-44 tok/s between processes of the same 1B file (2026-12-05,
+# AVX-512 EPYC, 2 threads)
+_output = ThreadChoice()
 
 
 def choice() -> ThreadChoice:
-    """The process's thread choice (the fused stack's and the output layer's)."""
+    """The process's thread choice for the fused stack (and the kernels that follow it untimed)."""
     return _choice
+
+
+def output_choice() -> ThreadChoice:
+    """The process's thread choice for the output layer's calls (models/quant.py, models/native_embed.py)."""
+    return _output
+
+
+def timed_output(rows: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """call() (an output layer's kernel, which runs current() threads) under the output layer's own
+    measured choice for `rows` rows."""
+    out: list[torch.Tensor] = []
+
+    def run(threads: int) -> int:
+        out.append(call())
+        return 0
+
+    _output.timed(rows, run)
+    return out[0]
 
 
 _scope = threading.local()
@@ -325,8 +349,9 @@ def scoped(threads: int):
 
 
 def forget_times() -> None:
-    """The process's choice forgets its times (ThreadChoice.forget_times): builder.run_warmup's end."""
+    """The process's choices forget their times (ThreadChoice.forget_times): builder.run_warmup's end."""
     _choice.forget_times()
+    _output.forget_times()
 
 
 def trials() -> int:
@@ -337,13 +362,13 @@ def trials() -> int:
     whose steps were all such calls, in the new 1024-row bucket of a batch of 48, could not be timed,
     so it ran its whole length at ~14 plain steps a step; a chosen count found to lose is a change,
     see changes().)"""
-    return _choice.trials
+    return _choice.trials + _output.trials
 
 
 def changes() -> int:
     """How many times a bucket's chosen count has changed: every step timed before a change ran at
     another speed (the adaptive speculation policy measures its arms afresh)."""
-    return _choice.changes
+    return _choice.changes + _output.changes
 
 
 def current() -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
+from augury.cpu import threads as cpu_threads
 from augury.models import native
 from augury.models.fused import KernelModule
 from augury.models.quant import INT4_N_MULTIPLE, W8A8OutputLinear
@@ -207,7 +208,8 @@ class NativeOutputLinear(KernelModule, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.inner._kernel(x.reshape(-1, shape[-1]), torch.float32)
+        x2 = x.reshape(-1, shape[-1])
+        y = cpu_threads.timed_output(x2.shape[0], lambda: self.inner._kernel(x2, torch.float32))
         if y.shape[1] != self.out_features:  # the last panel's padding rows
             y = y[:, :self.out_features].contiguous()
         return y.view(*shape[:-1], self.out_features)

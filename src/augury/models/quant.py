@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from augury.cpu import kernels as cpu_kernels
+from augury.cpu import threads as cpu_threads
 from augury.models.fused import KernelModule
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,8 @@ class W8A8OutputLinear(KernelModule, nn.Module):
         if kernel is None:
             raise RuntimeError("this output layer was packed for augury's w8a8 kernel, which is unavailable now")
         shape = x.shape
-        y = kernel.linear(x.reshape(-1, shape[-1]), self.codes, self.scale, self.out_features)
+        x2 = x.reshape(-1, shape[-1])
+        y = cpu_threads.timed_output(x2.shape[0], lambda: kernel.linear(x2, self.codes, self.scale, self.out_features))
         return y.view(*shape[:-1], self.out_features)
 
     def columns(self, x: torch.Tensor, ids: list) -> list[torch.Tensor]:
