@@ -186,3 +186,31 @@ def test_a_module_two_paths_share_is_written_once_and_read_back_as_one(tmp_path)
     assert torch.equal(emb(ids).view(torch.int16), model.embed_tokens(ids).view(torch.int16))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert torch.equal(out(x), head(x))
+
+
+def test_a_save_leaves_another_live_writers_temporary_file_and_removes_a_dead_ones(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from augury.models.fused import KernelModule
+
+    class Packed(KernelModule, torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("codes", torch.arange(64, dtype=torch.uint8))
+
+    Packed.__module__ = "augury.models.packed_test"
+    model = torch.nn.Module()
+    model.add_module("lin", Packed())
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        theirs = tmp_path / f".{PACKED_PREFIX}other.safetensors.{live.pid}.tmp"
+        gone = tmp_path / f".{PACKED_PREFIX}other.safetensors.{dead.pid}.tmp"
+        theirs.write_bytes(b"being written"), gone.write_bytes(b"cut short")
+        assert packed_cache.save(model, tmp_path, "k", {}) is not None
+        assert theirs.exists() and not gone.exists()
+    finally:
+        live.kill()
+        live.wait()

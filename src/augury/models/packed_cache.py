@@ -205,8 +205,10 @@ def save(model: nn.Module, folder: Path, k: str, plan: dict[str, Any]) -> Path |
             writer.abandon()
             raise
         os.replace(tmp, target)
-        # earlier keys (another code version or dtype) and what a start cut short left
-        for old in [*folder.glob(f"{PREFIX}*.safetensors"), *folder.glob(f".{PREFIX}*.tmp")]:
+        # earlier keys (another code version or dtype) and what a start cut short left: a temporary file
+        # whose writer is gone (another process's, still writing, is left alone: two workers of a bench
+        # load one model at once)
+        for old in [*folder.glob(f"{PREFIX}*.safetensors"), *filter(_orphaned, folder.glob(f".{PREFIX}*.tmp"))]:
             if old != target:
                 old.unlink(missing_ok=True)
     except Exception as e:  # noqa: BLE001 - the cache never fails a load: the next start packs again
@@ -215,6 +217,23 @@ def save(model: nn.Module, folder: Path, k: str, plan: dict[str, Any]) -> Path |
                     type(e).__name__, e)
         return None
     return target
+
+
+def _orphaned(tmp: Path) -> bool:
+    """Whether the process that writes temporary file `tmp` (its pid before `.tmp`) is gone."""
+    try:
+        pid = int(tmp.name.rsplit(".", 2)[-2])
+    except ValueError:
+        return True
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, another user's
+        return False
+    return False
 
 
 def load(folder: Path, k: str) -> tuple[dict[str, nn.Module], dict[str, Any]] | None:
