@@ -35,8 +35,9 @@ sum), so the choice changes speed only. torch's own thread setting, the process'
 
 `choice()` is the process's instance. A timed call runs its picked count (an exploring one included);
 every other call of augury's kernels runs `current()`: inside a `scoped(n)` block n, else the count
-chosen (not explored) for the bucket of the last timed call, so the output layer after a stack runs
-what the stack settled on. The layers run one by one (prefill, attention the stack does not take)
+chosen (not explored) for the bucket of the last timed call. The output layer's calls are timed by a
+choice of their own (`output_choice`, `timed_output`): its cost by thread count is not the stack's.
+The layers run one by one (prefill, attention the stack does not take)
 are never timed themselves (a long prompt's forward is too rare and too dear to explore on): they
 run `settled(rows)`, the choice of the nearest bucket measured (the machine's load shows in every
 bucket alike), under `scoped`.
