@@ -1,21 +1,20 @@
 """The kernels' packed layouts of a GGUF conversion's native linears, kept beside the conversion.
 
-Packing a linear for its kernel (cpu/kernels.py: panels of 16 columns, nibbles and scales regrouped)
-and requantising a K-quant output layer take most of a start: on a Llama-3.2-1B-shaped Q4_K_M file
-(128k vocabulary, 2 threads), 8.4 of an 11.4 s load. The first load of a conversion writes every
-kernel module it built (their tensors as the kernels read them, the few plain attributes that
-describe them, and the load plan's bookkeeping) to `augury-packed-<key>.safetensors` in the
-conversion's folder, each tensor at a 64-byte boundary; a later load with the same key maps the file
-copy-on-write and takes each tensor as a view of its pages (`_Mapped`), reading nothing it does not
-touch, and builds nothing (the pages are the page cache's, shared by every process that maps the file,
-as llama.cpp maps its GGUF; the weights are never written, so no page is copied). The key covers what decides the layouts: the side file
-(size and modification time), the dtype, the device, which of augury's kernels load here, and the
-bytes of the code that packs (this module's PACKING_SOURCES), so a changed packing never reads an
-old file. A module two paths share (a tied model's output layer and embedding hold one vocabulary
-matrix) is written once and read back as one object. A file that cannot be read back in full
-(truncated, another format) is removed and the load packs afresh: the model is put together only once
-every module was read. Not under tensor
-parallelism (each rank packs its own part) and on the CPU only.
+Packing each linear for its kernel (cpu/kernels.py: panels of 16 columns, nibbles and scales
+regrouped) took most of a start: on a Llama-3.2-1B-shaped Q4_K_M file (128k vocabulary, 2 threads),
+8.4 of an 11.4 s load. The first load of a conversion writes every kernel module it built (their
+tensors as the kernels read them, the few plain attributes that describe them, and the load plan's
+bookkeeping) to `augury-packed-<key>.safetensors` in the conversion's folder, each tensor at a 64-byte
+boundary; a later load with the same key maps the file copy-on-write and takes each tensor as a view
+of its pages (`_Mapped`), reading nothing it does not touch, and builds nothing (the pages are the page
+cache's, shared by every process that maps the file, as llama.cpp maps its GGUF; the weights are never
+written, so no page is copied). The key covers what decides the layouts: the side file (size and
+modification time), the dtype, the device, which of augury's kernels load here, and the bytes of the
+code that packs (this module's PACKING_SOURCES), so a changed packing never reads an old file. A
+module two paths share (a tied model's output layer and embedding hold one vocabulary matrix) is
+written once and read back as one object. A file that cannot be read back in full (truncated, another
+format) is removed and the load packs afresh: the model is put together only once every module was
+read. Not under tensor parallelism (each rank packs its own part) and on the CPU only.
 """
 from __future__ import annotations
 
