@@ -49,11 +49,12 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 
+T = TypeVar("T")
 _torch_outer = threading.local()  # torch's count in this thread outside kernels.torch_threads blocks
 
 
@@ -293,7 +294,7 @@ class ThreadChoice:
             for b in self._buckets.values():
                 b.expire(float("inf"))
 
-    def timed(self, rows: int, run: Callable[[int], int], clock: Callable[[], float] = time.perf_counter) -> int:
+    def timed(self, rows: int, run: Callable[[int], T], clock: Callable[[], float] = time.perf_counter) -> T:
         """run(threads) under the picked count, timed and recorded; returns run's result."""
         threads = self.pick(rows)
         t0 = clock()
@@ -325,14 +326,7 @@ def output_choice() -> ThreadChoice:
 def timed_output(rows: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
     """call() (an output layer's kernel, which runs current() threads) under the output layer's own
     measured choice for `rows` rows."""
-    out: list[torch.Tensor] = []
-
-    def run(threads: int) -> int:
-        out.append(call())
-        return 0
-
-    _output.timed(rows, run)
-    return out[0]
+    return _output.timed(rows, lambda threads: call())
 
 
 _scope = threading.local()
