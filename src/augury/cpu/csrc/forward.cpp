@@ -128,7 +128,7 @@ struct Stack {
         const int64_t Gmax = padded_groups(Kmax);
         // scratch: one block, carved up
         const size_t n16 = static_cast<size_t>(T) * static_cast<size_t>(H + NQKV + NQ + NQ + 2 * I + I);
-        const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) * 5 + static_cast<size_t>(T * Gmax) * 12 + 256;
+        const size_t bytes = n16 * 2 + static_cast<size_t>(T * Kmax) * 5 + static_cast<size_t>(T * Gmax) * 16 + 256;
         mem = static_cast<char *>(std::malloc(bytes));
         if (!mem) return 2;
         xn = reinterpret_cast<uint16_t *>(mem);  // a norm's output [T, H]
@@ -141,12 +141,14 @@ struct Stack {
         float *dx = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(xq + T * Kmax) + 63) & ~uintptr_t(63));
         float *xs = dx + T * Gmax;
         int32_t *xsum = reinterpret_cast<int32_t *>(xs + T * Gmax);
-        xf = reinterpret_cast<float *>(xsum + T * Gmax);  // dense projections' widened rows [T, Kmax]
+        int32_t *xlo = xsum + T * Gmax;
+        xf = reinterpret_cast<float *>(xlo + T * Gmax);  // dense projections' widened rows [T, Kmax]
         for (Rounded *a : {&aH, &aQ, &aI}) {  // the rounded activations for K = H, nh * hd and I (used in turn)
             a->xq = xq;
             a->dx = dx;
             a->xs = xs;
             a->xsum = xsum;
+            a->xlo = xlo;
         }
         aH.K = H, aH.Gp = padded_groups(H);
         aQ.K = NQ, aQ.Gp = padded_groups(NQ);

@@ -133,7 +133,7 @@ struct Head {
         const int64_t Gmax = padded_groups(Kmax);
         const size_t n16 = static_cast<size_t>(T) * static_cast<size_t>(2 * H + NQKV + 2 * NQ + 3 * I);
         const size_t n32 = static_cast<size_t>(T) * static_cast<size_t>(H + Kmax) + static_cast<size_t>(R * NL);
-        const size_t bytes = n16 * 2 + n32 * 4 + static_cast<size_t>(T * Kmax) + static_cast<size_t>(T * Gmax) * 12 + 256;
+        const size_t bytes = n16 * 2 + n32 * 4 + static_cast<size_t>(T * Kmax) + static_cast<size_t>(T * Gmax) * 16 + 256;
         mem = static_cast<char *>(std::malloc(bytes));
         if (!mem) return 2;
         xn = reinterpret_cast<uint16_t *>(mem);  // the two norms side by side [T, 2H] (then one norm [T, H])
@@ -149,11 +149,12 @@ struct Head {
         float *dx = logits + R * NL;
         float *xs = dx + T * Gmax;
         int32_t *xsum = reinterpret_cast<int32_t *>(xs + T * Gmax);
-        int8_t *xq = reinterpret_cast<int8_t *>(xsum + T * Gmax);
+        int32_t *xlo = xsum + T * Gmax;
+        int8_t *xq = reinterpret_cast<int8_t *>(xlo + T * Gmax);
         const int64_t widths[5] = {A, 2 * H, NQ, I, H};
         Rounded *rs[5] = {&aA, &aX, &aQ, &aI, &aH};
         for (int i = 0; i < 5; i++) {  // one buffer, used in turn
-            rs[i]->xq = xq, rs[i]->dx = dx, rs[i]->xs = xs, rs[i]->xsum = xsum;
+            rs[i]->xq = xq, rs[i]->dx = dx, rs[i]->xs = xs, rs[i]->xsum = xsum, rs[i]->xlo = xlo;
             rs[i]->K = widths[i], rs[i]->Gp = padded_groups(widths[i] > 0 ? widths[i] : GROUP);
         }
         scale = 1.0f / std::sqrt(static_cast<float>(hd));

@@ -19,11 +19,12 @@ constexpr int ROW_TILE = 64;  // rows whose int8 activations stay in cache while
 
 inline __m256 load_bf16x8(const uint16_t *p) { return load8(p, true, 0); }
 
-// one row: xq [K] int8, dx [Gp] scales, xsum [Gp] the group's sum of xq, xs = dx * xsum; padding groups zero.
+// one row: xq [K] int8, dx [Gp] scales, xsum [Gp] the group's sum of xq, xs = dx * xsum, xlo [Gp] the sum
+// of the group's first 16 xq (Q6_K's sub-blocks: w8a8.h's panel6); padding groups zero.
 // A group holding a NaN or an infinity gets dx = xs = NaN (and codes 0), so every output of the row is
 // NaN: maxps drops NaNs and the int8 conversion would turn them into finite codes, a plausible token.
 inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t *xq, float *dx, float *xs,
-                  int32_t *xsum) {
+                  int32_t *xsum, int32_t *xlo) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int64_t G = K / GROUP;
     for (int64_t g = 0; g < G; g++) {
@@ -41,7 +42,7 @@ inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t
         if (_mm256_movemask_ps(nan) || !(m <= 3.40282347e38f)) {  // NaN or infinity in the group
             std::memset(xq + g * GROUP, 0, GROUP);
             dx[g] = xs[g] = __builtin_nanf("");
-            xsum[g] = 0;
+            xsum[g] = xlo[g] = 0;
             continue;
         }
         const float d = m / 127.0f;
@@ -59,13 +60,19 @@ inline void quantize_row(const void *x, bool bf16, int64_t K, int64_t Gp, int8_t
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
         const int32_t sum = _mm_cvtsi128_si32(t);
+        // s01 holds the codes of k 0..15 (packs keeps each 128-bit lane's order: 0-3 8-11 | 4-7 12-15)
+        __m256i l32 = _mm256_madd_epi16(s01, _mm256_set1_epi16(1));
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(l32), _mm256_extracti128_si256(l32, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1));
+        xlo[g] = _mm_cvtsi128_si32(u);
         dx[g] = d;
         xsum[g] = sum;
         xs[g] = d * static_cast<float>(sum);
     }
     for (int64_t g = G; g < Gp; g++) {
         dx[g] = xs[g] = 0.0f;
-        xsum[g] = 0;
+        xsum[g] = xlo[g] = 0;
     }
 }
 
@@ -307,11 +314,11 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
 }
 #endif
 
-// One matrix's activations, rounded: per row xq [K] int8, dx / xs [Gp] float32, xsum [Gp] int32.
+// One matrix's activations, rounded: per row xq [K] int8, dx / xs [Gp] float32, xsum / xlo [Gp] int32.
 struct Rounded {
     int8_t *xq = nullptr;
     float *dx = nullptr, *xs = nullptr;
-    int32_t *xsum = nullptr;
+    int32_t *xsum = nullptr, *xlo = nullptr;
     int64_t K = 0, Gp = 0;
 };
 
@@ -324,16 +331,18 @@ struct OwnedRounded : Rounded {
         dx = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
         xs = static_cast<float *>(std::malloc(sizeof(float) * static_cast<size_t>(M * Gp + 1)));
         xsum = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * static_cast<size_t>(M * Gp + 1)));
+        xlo = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * static_cast<size_t>(M * Gp + 1)));
     }
     ~OwnedRounded() {
         std::free(xq);
         std::free(dx);
         std::free(xs);
         std::free(xsum);
+        std::free(xlo);
     }
     OwnedRounded(const OwnedRounded &) = delete;
     OwnedRounded &operator=(const OwnedRounded &) = delete;
-    bool ok() const { return xq && dx && xs && xsum; }
+    bool ok() const { return xq && dx && xs && xsum && xlo; }
 };
 
 // Worksharing constructs without their own parallel region: called from inside one (the threads
@@ -343,7 +352,7 @@ inline void round_rows(const void *x, bool bf16, int64_t M, Rounded &a, augury::
 #pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++)
         quantize_row(static_cast<const char *>(x) + m * a.K * xb, bf16, a.K, a.Gp, a.xq + m * a.K, a.dx + m * a.Gp,
-                     a.xs + m * a.Gp, a.xsum + m * a.Gp);
+                     a.xs + m * a.Gp, a.xsum + m * a.Gp, a.xlo + m * a.Gp);
     bar.wait();
 }
 

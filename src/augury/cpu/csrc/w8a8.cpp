@@ -78,7 +78,7 @@ extern "C" int augury_w8a8_columns(const void *x, int x_bf16, int64_t M, int64_t
     const int xb = x_bf16 ? 2 : 4;
     for (int64_t m = 0; m < M; m++)
         quantize_row(static_cast<const char *>(x) + m * K * xb, x_bf16 != 0, K, G, a.xq + m * K, a.dx + m * G,
-                     a.xs + m * G, a.xsum + m * G);
+                     a.xs + m * G, a.xsum + m * G, a.xlo + m * G);
     for (int64_t m = 0; m < M; m++) {
         const int8_t *xq = a.xq + m * K;
         const float *dx = a.dx + m * G;
