@@ -87,6 +87,24 @@ constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
 using augury::prefetch_next;  // simd.h
 
+// this thread's buffer for one panel's codes rebuilt as bytes (rebuild5, w8a8.h's columns6), kept
+// between calls: null when out of memory (the caller then rebuilds the codes per row block, as for a
+// few rows)
+inline uint8_t *panel_buffer(size_t bytes) {
+    thread_local struct Buffer {
+        uint8_t *p = nullptr;
+        size_t n = 0;
+        ~Buffer() { std::free(p); }
+    } buf;
+    if (buf.n < bytes) {
+        std::free(buf.p);
+        buf.p = static_cast<uint8_t *>(std::malloc(bytes));
+        buf.n = buf.p ? bytes : 0;
+    }
+    return buf.p;
+}
+constexpr int64_t BUF_GROUP_BYTES = 512;  // a group's rebuilt codes: per block b, its low plane then its high
+
 // Three storages of the scales and zeros (S the scales' element type, Z the zeros'), one kernel:
 // - bfloat16 s and z [P, G, 16], codes offset by 8 (w = (q - 8) s + z, torch's int4 convention: Q4_0 /
 //   Q4_1 and augury's own int4);
@@ -244,7 +262,7 @@ inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 // pass per half of 8 columns, as before, spent more instructions per product: single-threaded, a
 // 576 x 3,072 matrix in cache, the AVX2 variant on a Zen 4 EPYC took 0.60 vs 0.48 ns per 32 products
 // at 1 row, 0.44 vs 0.33 at 4 and 8 rows (with W4_ROW_BLOCK_MAX's blocks). out[r * 16 + c]
-template <int R, class S, class Z, bool HB = false>
+template <int R, class S, class Z, bool HB = false, bool BUF = false>
 __attribute__((noinline))  // compiled alone, whatever the caller: fewer spills
 void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, const int8_t *xq,
            const float *dx, const float *xs, const int32_t *xsum, int64_t K, float *out, const uint8_t *ph = nullptr) {
@@ -253,15 +271,15 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
 #else
     // AVX2 sums the maddubs pairs in int16 for 4-bit codes (8 x |2 * 15 * 127| < 2^15); 5-bit codes
     // (8 x 2 * 31 * 127 would not fit) widen each pair sum to int32 at once: the same integers
-    constexpr bool WIDE = HB;
+    constexpr bool WIDE = HB;  // BUF's codes are 4-bit for Q4_0 / Q4_1 / Q4_K (the callers' HB says 5-bit)
 #endif
     const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
     __m256 acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const uint8_t *blk = pc + g * PANEL_BYTES;
-        prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
-        if constexpr (HB) prefetch_next(ph + G * 64 + g * 64, 64);
+        const uint8_t *blk = pc + g * (BUF ? BUF_GROUP_BYTES : PANEL_BYTES);
+        if constexpr (!BUF) prefetch_next(blk + G * PANEL_BYTES, PANEL_BYTES);
+        if constexpr (HB && !BUF) prefetch_next(ph + G * 64 + g * 64, 64);
         __m256i ia[R][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, no faster (the sums already fill the registers)
@@ -269,11 +287,13 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
             // the low nibbles' plane for every row, then the high nibbles' (fewer registers live: the
             // codes are loaded again from L1)
             for (int plane = 0; plane < 2; plane++) {
-                const __m256i *at = reinterpret_cast<const __m256i *>(blk + 64 * b);
+                const __m256i *at = reinterpret_cast<const __m256i *>(blk + (BUF ? 128 * b + 64 * plane : 64 * b));
                 __m256i u0 = _mm256_loadu_si256(at), u1 = _mm256_loadu_si256(at + 1);
-                if (plane) u0 = _mm256_srli_epi16(u0, 4), u1 = _mm256_srli_epi16(u1, 4);
-                u0 = _mm256_and_si256(u0, low4), u1 = _mm256_and_si256(u1, low4);
-                if constexpr (HB) {
+                if constexpr (!BUF) {
+                    if (plane) u0 = _mm256_srli_epi16(u0, 4), u1 = _mm256_srli_epi16(u1, 4);
+                    u0 = _mm256_and_si256(u0, low4), u1 = _mm256_and_si256(u1, low4);
+                }
+                if constexpr (HB && !BUF) {
                     const __m128i *hp = reinterpret_cast<const __m128i *>(ph + g * 64);
                     const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * b + plane)));
                     const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(hp));
@@ -311,6 +331,30 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
     }
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * PANEL + 8 * h, acc[r][h]);
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+// Q5_K's codes of one panel rebuilt as bytes for BUF's panels: per group and block b, the low nibbles'
+// plane (64 bytes, the fifth bits of ph [G, 64] OR-ed in as 16) then the high nibbles'. Only the 256-bit
+// forms take it, and only for Q5_K: a 512 x 2,048 x 8,192 product on 2 threads of a Zen 4 EPYC, AVX2
+// level, took 59.9 ms from the buffer against 75.8 (Q4_K's codes 47.3 against 45.8: no gain); with
+// AVX-512 the buffer (twice the packed bytes, 32 KiB a panel at K = 2,048, out of L1) was slower for
+// both, 37 ms against 28-31.
+inline void rebuild5(const uint8_t *pc, const uint8_t *ph, int64_t G, uint8_t *buf) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < 4; b++)
+            for (int plane = 0; plane < 2; plane++)
+                for (int e = 0; e < 2; e++) {
+                    __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(pc + g * PANEL_BYTES + 64 * b + 32 * e));
+                    if (plane) u = _mm256_srli_epi16(u, 4);
+                    u = _mm256_and_si256(u, low4);
+                    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * b + plane)));
+                    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ph + g * 64 + 32 * e));
+                    u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), sixteen));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i *>(buf + g * BUF_GROUP_BYTES + 128 * b + 64 * plane + 32 * e), u);
+                }
 }
 #endif
 
@@ -391,42 +435,63 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+        // Q5_K: a tile of more than one row block rebuilds each panel's codes as bytes once (rebuild5)
+        uint8_t *buf = std::is_same<S, uint8_t>::value && high && t1 - t0 > W4_ROW_BLOCK_MAX
+                           ? panel_buffer(static_cast<size_t>(G * BUF_GROUP_BYTES))
+                           : nullptr;
+#endif
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * PANEL_BYTES;
             const S *ps = s + p * G * scale_width<S>;
             const Z *pz = z + p * zero_stride<S>(G);
+            // Q5_K's fifth bits [P, G, 64] (only with Q4_K's own scales)
+            const uint8_t *ph = std::is_same<S, uint8_t>::value && high ? high + p * G * 64 : nullptr;
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+            if (buf) rebuild5(pc, ph, G, buf);
+#endif
             for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
                 r = block_rows(t1 - m0, W4_ROW_BLOCK_MAX);
                 float out[ROW_BLOCK_MAX * PANEL];
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp, *sr = a.xs + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp;
-                const uint8_t *ph = high ? high + p * G * 64 : nullptr;  // Q5_K's fifth bits: [P, G, 64]
-                if constexpr (std::is_same<S, uint8_t>::value) {
-                    if (ph) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define AUGURY_WIDE_ROWS(X) X(8) X(7) X(6) X(5) X(4) X(3) X(2) X(1)
+#else
+#define AUGURY_WIDE_ROWS(X) X(4) X(3) X(2) X(1)
+#endif
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+                if (buf) {  // 5-bit codes: HB's int32 sums, from the buffer
+                    if constexpr (std::is_same<S, uint8_t>::value) {
+                        switch (r) {
+#define AUGURY_ROWS(n) \
+    case n: panel<n, S, Z, true, true>(buf, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
+                            AUGURY_WIDE_ROWS(AUGURY_ROWS)
+#undef AUGURY_ROWS
+                        }
+                    }
+                } else
+#endif
+                if (ph) {
+                    if constexpr (std::is_same<S, uint8_t>::value) {
                         switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n, S, Z, true>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out, ph); break;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-                            AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
-#endif
-                            AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+                            AUGURY_WIDE_ROWS(AUGURY_ROWS)
 #undef AUGURY_ROWS
                         }
-                        for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
-                        continue;
                     }
-                }
-                switch (r) {
+                } else {
+                    switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-                    AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5)
-#endif
-                    AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
+                        AUGURY_WIDE_ROWS(AUGURY_ROWS)
 #undef AUGURY_ROWS
+                    }
                 }
+#undef AUGURY_WIDE_ROWS
                 for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
             }
         }

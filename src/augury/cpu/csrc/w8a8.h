@@ -211,49 +211,53 @@ inline void panel8(const int8_t *pw, const float *ps, const float *pz, const int
     }
 }
 
-// Q6_K in six bits a code (see columns6), a half of 8 columns at a time: w = d sub (q - 32)
-template <int R>
+// columns 8 h .. 8 h + 7 of block b (0..7) of one group's six-bit codes (columns6's layout), bytes 0..63
+inline __m256i codes6_8(const uint8_t *blk, int b, int h) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * (b & 3) + 32 * h));
+    if (b < 4) return _mm256_and_si256(a, low6);
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 256 + 64 * (b & 1) + 32 * h));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 2), top2),
+                           _mm256_and_si256(b < 6 ? nib : _mm256_srli_epi16(nib, 4), low4));
+}
+
+// Q6_K in six bits a code (see columns6), a half of 8 columns at a time: w = d sub (q - 32). As the
+// AVX-512 form: each half's dot is sum q xq - 32 (xlo, or xsum - xlo), q the unsigned 0..63 stored;
+// without VNNI two blocks' maddubs pair sums are added in int16 (2 x 2 x 63 x 128 < 2^15) and widened
+// once. WIDE: pc holds the codes rebuilt (512 bytes a group, columns6).
+template <int R, bool WIDE = false>
 inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, int64_t G, int64_t Gp,
                    const int8_t *xq, const float *dx, const int32_t *xsum, const int32_t *xlo, int64_t K, float *out) {
-    (void)xsum, (void)xlo;  // the 256-bit forms carry w's sign onto the activations instead
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low6 = _mm256_set1_epi8(0x3f), top2 = _mm256_set1_epi8(0x30);
-    const __m256i off = _mm256_set1_epi8(32);
+    constexpr int64_t STRIDE = WIDE ? 512 : W6_PANEL_BYTES;
     for (int h = 0; h < 2; h++) {
         __m256 acc[R];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *blk = pc + g * W6_PANEL_BYTES + 32 * h;
-            if (h == 0) prefetch_next(blk + G * W6_PANEL_BYTES, W6_PANEL_BYTES);
+            const uint8_t *blk = pc + g * STRIDE;
+            if (!WIDE && h == 0) prefetch_next(blk + G * STRIDE, W6_PANEL_BYTES);
             __m256i dot[R];
             for (int half = 0; half < 2; half++) {
                 __m256i ih[R];
-                for (int r = 0; r < R; r++) ih[r] = _mm256_setzero_si256();
-                for (int b = 4 * half; b < 4 * half + 4; b++) {
-                    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * (b & 3)));
-                    __m256i q;  // 0..63 (columns6's layout)
-                    if (b < 4) {
-                        q = _mm256_and_si256(a, low6);
-                    } else {
-                        const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 256 + 64 * (b & 1)));
-                        q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 2), top2),
-                                            _mm256_and_si256(b < 6 ? nib : _mm256_srli_epi16(nib, 4), low4));
-                    }
-                    const __m256i w = _mm256_sub_epi8(q, off);  // q - 32
-                    const __m256i aw = _mm256_sign_epi8(w, w);  // |w| <= 32
+                for (int r = 0; r < R; r++) {
+                    const int32_t lo = xlo[r * Gp + g];
+                    ih[r] = _mm256_set1_epi32(-32 * (half ? xsum[r * Gp + g] - lo : lo));
+                }
+                for (int b = 4 * half; b < 4 * half + 4; b += 2) {
+                    const __m256i q0 = WIDE ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b + 32 * h))
+                                            : codes6_8(blk, b, h);
+                    const __m256i q1 = WIDE ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(blk + 64 * b + 64 + 32 * h))
+                                            : codes6_8(blk, b + 1, h);
                     for (int r = 0; r < R; r++) {
-                        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * b)), w);
+                        const int8_t *xr = xq + r * K + g * GROUP + 4 * b;
+                        const __m256i x0 = _mm256_set1_epi32(load_i32(xr)), x1 = _mm256_set1_epi32(load_i32(xr + 4));
 #if AUGURY_VNNI256
-                        ih[r] = dpbusd8(ih[r], aw, x);
+                        ih[r] = dpbusd8(dpbusd8(ih[r], q0, x0), q1, x1);
 #else
-                        // AVX2: the half's maddubs pair sums added in int16 (4 x 2 * 32 * 127 < 2^15), widened
-                        // once per half below: the same integers, fewer instructions (compute-bound here)
-                        ih[r] = _mm256_add_epi16(ih[r], _mm256_maddubs_epi16(aw, x));
+                        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(q0, x0), _mm256_maddubs_epi16(q1, x1));
+                        ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
 #endif
                     }
                 }
-#if !AUGURY_VNNI256
-                for (int r = 0; r < R; r++) ih[r] = _mm256_madd_epi16(ih[r], _mm256_set1_epi16(1));
-#endif
                 const __m256i sub = _mm256_cvtepi8_epi32(
                     _mm_loadl_epi64(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half + 8 * h)));
                 for (int r = 0; r < R; r++) {
@@ -319,35 +323,27 @@ inline void columns_as(const Rounded &a, int64_t M, const int8_t *codes, const f
 // of a block: column c's code at k = 32 g + 4 b + j): 4 blocks of 64 bytes, byte 4 c + j of block a
 // holding u of block a in bits 0-5 and the top two bits of block a + 4's in bits 6-7, then 2 blocks of
 // 64 nibbles, block e's low nibbles the low four bits of block 4 + e's u, its high nibbles block 6 + e's.
-// (Blocks 0-3 cost one AND to rebuild, 4-7 a few more: AVX2 is compute-bound on this form.)
+// (Blocks 0-3 cost one AND to rebuild, 4-7 a few more.)
 // d [P, G / 8, 16] float16 (one per 256 and column), sub [P, G, 32] int8 as the general form's. Each
-// half's integer dot is sum (q - 32) xq, exact in int32 however it is summed (the 256-bit forms as the
-// general form's sub-scaled ones, |q - 32| x (xq carrying the sign); AVX-512 as q x xq - 32 xlo), then
-// sub_0 dot_0 + sub_1 dot_1, then fma(float(dot), d dx, acc): the same integers and float operations,
-// the same bits. With AVX-512, a tile of more rows than one register block rebuilds each panel's codes
-// once into a buffer of the thread's (512 bytes a group: 224 KiB for Llama-3.1-8B's down projection, K
-// = 14,336) and its row blocks read them from there: 512 x 2,048 x 8,192, 2 threads, Zen 4 EPYC:
-// 33.4 ms against 39.8 rebuilding per row block (Q8_0's panels 30.4).
+// half's integer dot is sum (q - 32) xq = sum q xq - 32 (the half's sum of xq), exact in int32 however
+// it is summed, then sub_0 dot_0 + sub_1 dot_1, then fma(float(dot), d dx, acc): the same integers and
+// float operations as the general form's, the same bits. A tile of more rows than one register block
+// rebuilds each panel's codes once into a buffer of the thread's (512 bytes a group: 224 KiB for
+// Llama-3.1-8B's down projection, K = 14,336) and its row blocks read them from there: 512 x 2,048 x
+// 8,192, 2 threads, Zen 4 EPYC, AVX-512: 33.4 ms against 39.8 rebuilding per row block (Q8_0's panels 30.4).
+// one panel's six-bit codes rebuilt as bytes 0..63, 512 a group: block b's 64 bytes at 64 b
+inline void rebuild6(const uint8_t *pc, int64_t G, uint8_t *wide) {
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < 8; b++) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define AUGURY_WIDE6 1
-// this thread's buffer for one panel's rebuilt codes (columns6), kept between calls: null when out of
-// memory (the caller then rebuilds the codes per row block, as for a few rows)
-inline uint8_t *wide6_buffer(size_t bytes) {
-    thread_local struct Buffer {
-        uint8_t *p = nullptr;
-        size_t n = 0;
-        ~Buffer() { std::free(p); }
-    } buf;
-    if (buf.n < bytes) {
-        std::free(buf.p);
-        buf.p = static_cast<uint8_t *>(std::malloc(bytes));
-        buf.n = buf.p ? bytes : 0;
-    }
-    return buf.p;
-}
+            _mm512_storeu_si512(wide + g * 512 + 64 * b, codes6(pc + g * W6_PANEL_BYTES, b));
 #else
-#define AUGURY_WIDE6 0
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(wide + g * 512 + 64 * b + 32 * h),
+                                    codes6_8(pc + g * W6_PANEL_BYTES, b, h));
 #endif
+        }
+}
 
 template <class Store>
 inline void columns6(const Rounded &a, int64_t M, const uint8_t *codes, const uint16_t *d, const int8_t *sub,
@@ -355,40 +351,33 @@ inline void columns6(const Rounded &a, int64_t M, const uint8_t *codes, const ui
     const int64_t K = a.K, Gp = a.Gp, G = K / GROUP, P = N / PANEL;
     for (int64_t t0 = 0; t0 < M; t0 += ROW_TILE) {
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
-#if AUGURY_WIDE6
         // a tile of more than one row block rebuilds each panel's codes once, into 512 bytes a group
-        uint8_t *wide = t1 - t0 > ROW_BLOCK_MAX ? wide6_buffer(static_cast<size_t>(G) * 512) : nullptr;
-#endif
+        uint8_t *wide = t1 - t0 > ROW_BLOCK_MAX ? panel_buffer(static_cast<size_t>(G) * 512) : nullptr;
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * W6_PANEL_BYTES;
             const uint16_t *pd = d + p * (G / 8) * PANEL;
             const int8_t *psub = sub + p * G * SUB_BYTES;
-#if AUGURY_WIDE6
-            if (wide)
-                for (int64_t g = 0; g < G; g++)
-                    for (int b = 0; b < 8; b++)
-                        _mm512_storeu_si512(wide + g * 512 + 64 * b, codes6(pc + g * W6_PANEL_BYTES, b));
-#endif
+            if (wide) rebuild6(pc, G, wide);
             for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
                 r = block_rows(t1 - m0);
                 float out[ROW_BLOCK_MAX * PANEL];
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp, *il = a.xlo + m0 * Gp;
-#if AUGURY_WIDE6
                 if (wide) {
                     switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel6<n, true>(wide, pd, psub, G, Gp, xr, dr, ir, il, K, out); break;
-                        AUGURY_ROWS(8) AUGURY_ROWS(7) AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3)
-                        AUGURY_ROWS(2) AUGURY_ROWS(1)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                        AUGURY_ROWS(8) AUGURY_ROWS(7)
+#endif
+                        AUGURY_ROWS(6) AUGURY_ROWS(5) AUGURY_ROWS(4) AUGURY_ROWS(3) AUGURY_ROWS(2) AUGURY_ROWS(1)
 #undef AUGURY_ROWS
                     }
                     for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
                     continue;
                 }
-#endif
                 switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel6<n>(pc, pd, psub, G, Gp, xr, dr, ir, il, K, out); break;
@@ -404,7 +393,6 @@ inline void columns6(const Rounded &a, int64_t M, const uint8_t *codes, const ui
     }
     bar.wait();
 }
-#undef AUGURY_WIDE6
 
 template <class Store>
 inline void columns(const Rounded &a, int64_t M, const int8_t *codes, const float *s, const float *z,
