@@ -43,6 +43,9 @@ class SystemSettings:
     # --prompts json: per prompt (its token ids), the JSON schema augury's systems constrain its answer to
     # (peers answer unconstrained)
     json_schemas: tuple[tuple[tuple[int, ...], str], ...] = ()
+    # --history warm: per prompt (its token ids), the conversation before its last message (a prefix of
+    # the prompt), which augury's systems prefill untimed before each timed run (AugurySystem.prepare)
+    histories: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 class System(Protocol):
@@ -85,7 +88,38 @@ class AugurySystem:
         self.first_token_times: list[float | None] = []  # the last generate call's, per prompt (the engine's)
         self.schemas = dict(settings.json_schemas) if constrained else {}
         self._answered: set[tuple[int, ...]] = set()  # prompts answered since the suffix cache was emptied
+        self.histories = {p: list(h) for p, h in settings.histories if h}
+        self._prepared: set[tuple[int, ...]] | None = None  # prompts prepare() readied for the next generate
         self.reset_counts()
+
+    def _fresh(self, keys: set[tuple[int, ...]]) -> None:
+        # every repeat computes its prompts: a run must not find the previous repeat's prompts in the
+        # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
+        # so the repeats would compare different work; `--workload document` measures the cache)
+        self.llm.engine.reset_prefix_cache()
+        # nor their answers in the cross-request suffix cache (the same greedy answer would be drafted
+        # whole): it is emptied when a prompt comes again, so a run's requests draft from earlier ones of
+        # the same run only (extraction to one schema across documents), never from their own last answer
+        if keys & self._answered:
+            self._answered.clear()
+            drafter = self.llm.engine.speculator.drafter if self.llm.engine.speculator is not None else None
+            if drafter is not None:
+                drafter.clear()
+        self._answered |= keys
+
+    def prepare(self, prompts: list[list[int]]) -> None:
+        """Before a timed generate of these prompts (worker.run_groups, untimed): the caches emptied as
+        generate would, then each prompt's history (--history warm) prefilled, one token answered and
+        dropped, so the timed request finds its earlier turns in the prefix cache. Nothing is counted."""
+        from augury.sampling_params import SamplingParams
+
+        keys = {tuple(p) for p in prompts}
+        self._fresh(keys)
+        warm = [self.histories[k] for k in dict.fromkeys(tuple(p) for p in prompts) if k in self.histories]
+        if warm:
+            self.llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)] * len(warm),
+                              use_tqdm=False)
+        self._prepared = keys
 
     def reset_counts(self) -> None:
         """Start counting verification steps, accepted drafts and decoded tokens afresh."""
@@ -133,20 +167,10 @@ class AugurySystem:
             schema = self.schemas.get(tuple(prompt))
             if schema is not None:
                 p.structured_outputs = StructuredOutputsParams(json=json.loads(schema))
-        # every repeat computes its prompts: a run must not find the previous repeat's prompts in the
-        # prefix cache (an engine with an EAGLE-3 head reuses less of a short prompt than one without,
-        # so the repeats would compare different work; `--workload document` measures the cache)
-        self.llm.engine.reset_prefix_cache()
-        # nor their answers in the cross-request suffix cache (the same greedy answer would be drafted
-        # whole): it is emptied when a prompt comes again, so a run's requests draft from earlier ones of
-        # the same run only (extraction to one schema across documents), never from their own last answer
         keys = {tuple(p) for p in prompts}
-        if keys & self._answered:
-            self._answered.clear()
-            drafter = self.llm.engine.speculator.drafter if self.llm.engine.speculator is not None else None
-            if drafter is not None:
-                drafter.clear()
-        self._answered |= keys
+        if self._prepared != keys:
+            self._fresh(keys)
+        self._prepared = None
         mask0, t0 = self._mask_seconds(), time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.seconds += time.perf_counter() - t0

@@ -63,6 +63,9 @@ class BenchSettings:
     # (code_edit, agentic, summarise, extract: bench/workloads.py)
     prompts: str = "random"
     num_prompts: int = 8  # chat prompts per run (batches of the batch size; a larger batch cycles them)
+    # code_edit / agentic: "cold" times each conversation's whole prompt; "warm" prefills its earlier
+    # turns untimed first (bench/workloads.py), as a live session leaves them in the prefix cache
+    history: str = "cold"
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
     stop_at_eos: bool = False  # end each sequence at its EOS token (at most output_len) instead of a fixed length
     draft_model: str | None = None
@@ -391,6 +394,15 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     dtype = str(resolve_dtype(settings.dtype, cfg.torch_dtype, torch.device(settings.device))).removeprefix("torch.")
     chat = kinds = None
     schemas: tuple[tuple[tuple[int, ...], str], ...] = ()
+    histories: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    if settings.history not in ("cold", "warm"):
+        raise ValueError(f"--history must be cold or warm, got {settings.history!r}")
+    if settings.history == "warm":
+        if settings.prompts not in WORKLOADS:
+            raise ValueError(f"--history warm needs --prompts code_edit or agentic, not {settings.prompts}")
+        peers = [s for s in settings.systems if not s.startswith("augury")]
+        if peers:
+            raise ValueError(f"--history warm prefills earlier turns in augury's systems only; drop {', '.join(peers)}")
     prompt_len = settings.prompt_len
     if settings.prompts == "json":
         from augury.bench.json_prompts import json_chat_prompts
@@ -413,6 +425,14 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
             raise ValueError(f"--prompts {settings.prompts} needs a model with a tokenizer and a chat template")
         chat = workload_prompts(tokenizer, settings.prompts, settings.num_prompts, settings.seed)
         prompt_len = max(len(p) for p in chat)
+        if settings.history == "warm":
+            from augury.bench.workloads import workload_histories
+
+            histories = tuple((tuple(p), tuple(h)) for p, h in zip(
+                chat, workload_histories(tokenizer, settings.prompts, settings.num_prompts, settings.seed)) if h)
+            if not histories:
+                raise ValueError(f"--history warm needs a multi-turn workload (code_edit, agentic), not "
+                                 f"{settings.prompts}")
     if settings.prompts in ("chat", "mixed", "varied"):
         from augury.bench import chat_prompts, mixed_prompts, varied_chat_prompts
         from augury.models.tokenizer import load_tokenizer
@@ -430,7 +450,8 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
     shared = SystemSettings(str(folder), dtype, settings.device, max(settings.batch_sizes),
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
-                            tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas)
+                            tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas,
+                            histories=histories)
     per = settings.processes
     workers = start_workers([n for n in settings.systems for _ in range(per)], shared, user_env)  # loaded
     systems = workers if per == 1 else [WorkerPool(workers[i : i + per]) for i in range(0, len(workers), per)]
@@ -446,6 +467,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
               "systems": processes, "results": [r.to_dict() for r in rows]}
     (out / "offline.json").write_text(json.dumps(report, indent=2) + "\n")
     title = (f"{cfg.family} {params / 1e6:.1f}M params, {dtype}, {settings.device}, "
+             + (f"{settings.prompts} ({settings.history} history), " if settings.prompts in WORKLOADS else "") +
              f"prompt {settings.prompt_len}, output {settings.output_len}, {threads} threads")
     plot(rows, out / "offline.png", title)
     return rows, out
@@ -538,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "that copies its prompt), the rest are held-out chat prompts; json: prompts asking for JSON, "
                    "each answer constrained to its schema in augury's systems (needs --stop-at-eos; peers answer "
                    "unconstrained; augury-off-unconstrained is augury without the schemas)")
+    p.add_argument("--history", default=d.history, choices=["cold", "warm"],
+                   help="--prompts code_edit / agentic: cold times each conversation's whole prompt; warm prefills "
+                   "its earlier turns first, untimed, as a live multi-turn session leaves them in the prefix cache "
+                   "(augury's systems only)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="--prompts chat / varied / mixed: prompts per run, in batches of the batch size "
                    "(varied has 60: 10 kinds x 6, kinds taken in turn)")
@@ -624,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
             draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
             stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf,
-            tensor_parallel_size=args.tensor_parallel_size, processes=args.processes)
+            tensor_parallel_size=args.tensor_parallel_size, processes=args.processes, history=args.history)
         rows, out = bench(settings, progress=not args.no_progress)
     except Exception as exc:
         if args.debug:

@@ -354,12 +354,20 @@ def run_groups(system: Any, groups: list[list[list[int]]], output_len: int, stop
     tokens after each sequence's first over the summed decode-only times. That counts every decoded token
     inside that window only because no sequence decodes before the group's last first token: augury's
     scheduler prefills every waiting request before any decodes, transformers prefills a batch in one step,
-    llama.cpp takes one prompt a group."""
+    llama.cpp takes one prompt a group.
+
+    A system with `prepare(prompts)` (augury's: the caches emptied, --history warm's earlier turns
+    prefilled) has it called before each group, outside the timed spans (its wall and CPU time taken out)."""
     out: list[list[int]] = []
-    to_first = decode = 0.0
+    to_first = decode = untimed = untimed_cpu = 0.0
     split = True
+    prepare = getattr(system, "prepare", None)
     start, start_cpu = time.perf_counter(), time.process_time()
     for prompts in groups:
+        if prepare is not None:
+            p0, c0 = time.perf_counter(), time.process_time()
+            prepare(prompts)
+            untimed, untimed_cpu = untimed + time.perf_counter() - p0, untimed_cpu + time.process_time() - c0
         t0 = time.monotonic()
         rows = system.generate(prompts, output_len, stop_at_eos)
         t1 = time.monotonic()
@@ -371,7 +379,7 @@ def run_groups(system: Any, groups: list[list[list[int]]], output_len: int, stop
         else:
             split = False
         out += rows
-    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    wall, cpu = time.perf_counter() - start - untimed, time.process_time() - start_cpu - untimed_cpu
     return out, wall, cpu, (to_first, decode) if split else None
 
 

@@ -11,6 +11,10 @@ drawn afresh per prompt), so no training template holds them:
 - summarise: a report of a few paragraphs, and a summary asked for that quotes its key sentences.
 - extract: one document (an invoice, an order, a support ticket) and one JSON schema for every prompt of
   a run: each answer fills the schema's keys, the same across prompts (across requests, not within one).
+
+code_edit and agentic prompts are conversations; with `--history warm` the bench prefills each one's
+earlier turns (workload_histories) untimed before the timed request, as a live session's earlier
+requests would have left them in the prefix cache: the timed request prefills only its last message.
 """
 from __future__ import annotations
 
@@ -38,6 +42,25 @@ def workload_prompts(tokenizer, kind: str, count: int, seed: int = 0) -> list[li
     """count prompts of a workload through the tokenizer's chat template (token ids)."""
     return [tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
                              add_special_tokens=False) for m in workload_messages(kind, count, seed)]
+
+
+def workload_histories(tokenizer, kind: str, count: int, seed: int = 0) -> list[list[int]]:
+    """Per prompt of workload_prompts, the conversation before its last message as the chat template
+    renders it (token ids, the longest run that begins the prompt's): what a live multi-turn session's
+    earlier requests leave in the prefix cache. Empty for a one-message prompt (summarise, extract)."""
+    out = []
+    for msgs in workload_messages(kind, count, seed):
+        full = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+        if len([m for m in msgs if m["role"] != "system"]) < 2:
+            out.append([])
+            continue
+        before = tokenizer.encode(tokenizer.apply_chat_template(msgs[:-1], tokenize=False), add_special_tokens=False)
+        n = 0
+        while n < min(len(full), len(before)) and full[n] == before[n]:
+            n += 1
+        out.append(full[:n])
+    return out
 
 
 def workload_messages(kind: str, count: int, seed: int = 0) -> list[list[dict[str, str]]]:
