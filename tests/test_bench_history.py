@@ -75,4 +75,4 @@ def test_warm_history_is_found_in_the_prefix_cache_and_cold_is_not(tiny_checkpoi
         hits = sched.prefix_hits
         system.generate([prompt], 6)  # not prepared: the previous run's blocks are gone
         assert sched.prefix_hits == hits
-    assert system.steps == 0 and system.decoded == 5 * 6  # prepare's one-token answers are not counted
+    assert system.steps == 0 and system.decoded == 5 * 6  # prepare's answers are not counted

@@ -467,3 +467,27 @@ def test_written_blocks_count_every_block_ever_handed_out_and_no_other(caching: 
         assert alloc.num_written == max(ever, default=0) == len(ever)  # blocks 1..num_written, each written
     if not caching:  # freed blocks went out again before fresh ones
         assert alloc.num_written == peak < 63
+
+
+def test_bench_warm_history_leaves_the_heads_kv_over_the_history(ckpts):
+    """`augury bench --history warm`: AugurySystem.prepare answers the history past its first decode
+    step, so the head catches up and offers the history's full blocks, as a live session's earlier
+    answer leaves them; the timed request then reads them (no zero block) and answers exactly."""
+    from augury.bench import AugurySystem, SystemSettings
+
+    prompt = _shared(90, [12], seed=6)[0]
+    history = prompt[:85]
+    settings = SystemSettings(str(ckpts["target"]), "float32", "cpu", 1, 160, threads=1,
+                              histories=((tuple(prompt), tuple(history)),))
+    system = AugurySystem(settings, "augury-static", speculative_algorithm="eagle3", speculative_policy="static",
+                          draft_model=str(ckpts["head"]))
+    proposer, bs = system.llm.engine.speculator.proposer, system.llm.engine.allocator.block_size
+    system.prepare([prompt])
+    assert len(proposer.offered) >= len(history) // bs
+    reads = _head_reads(system.llm, len(history) // bs * bs)
+    got = system.generate([prompt], 12)
+    want = _llm(ckpts["target"], speculative_algorithm="none", enable_prefix_caching=False).generate(
+        [prompt], _greedy(1, 12), use_tqdm=False)[0].token_ids
+    assert got == [want]
+    table, keys = next(iter(reads.values()))[0]
+    assert proposer.zero_block not in table and keys.abs().amin(dim=(1, 2)).gt(0).all()

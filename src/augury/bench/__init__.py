@@ -67,6 +67,9 @@ def _kv_blocks_for(settings: SystemSettings) -> int:
     return settings.max_batch_size * -(-(settings.max_len + DRAFT_SLACK) // size) + 1
 
 
+WARM_TOKENS = 4  # tokens AugurySystem.prepare answers to a history: past the first decode step
+
+
 class AugurySystem:
     """augury's LLM at the benchmark's temperature; extra keyword arguments go to LLM (EngineConfig fields)."""
 
@@ -109,16 +112,19 @@ class AugurySystem:
 
     def prepare(self, prompts: list[list[int]]) -> None:
         """Before a timed generate of these prompts (worker.run_groups, untimed): the caches emptied as
-        generate would, then each prompt's history (--history warm) prefilled, one token answered and
-        dropped, so the timed request finds its earlier turns in the prefix cache. Nothing is counted."""
+        generate would, then each prompt's history (--history warm) prefilled and a few tokens answered
+        and dropped, so the timed request finds its earlier turns in the prefix cache, and an EAGLE-3
+        head's KV over them too (the head catches up on a request's first decode step and offers its full
+        blocks then: with one token answered it never ran, and the timed request's head saw zeros where
+        the history was, as no live session's would: its earlier answer was decoded). Nothing is counted."""
         from augury.sampling_params import SamplingParams
 
         keys = {tuple(p) for p in prompts}
         self._fresh(keys)
         warm = [self.histories[k] for k in dict.fromkeys(tuple(p) for p in prompts) if k in self.histories]
         if warm:
-            self.llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)] * len(warm),
-                              use_tqdm=False)
+            self.llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS, ignore_eos=True)]
+                              * len(warm), use_tqdm=False)
         self._prepared = keys
 
     def reset_counts(self) -> None:
