@@ -113,10 +113,12 @@ class AugurySystem:
     def prepare(self, prompts: list[list[int]]) -> None:
         """Before a timed generate of these prompts (worker.run_groups, untimed): the caches emptied as
         generate would, then each prompt's history (--history warm) prefilled and a few tokens answered
-        and dropped, so the timed request finds its earlier turns in the prefix cache, and an EAGLE-3
-        head's KV over them too (the head catches up on a request's first decode step and offers its full
-        blocks then: with one token answered it never ran, and the timed request's head saw zeros where
-        the history was, as no live session's would: its earlier answer was decoded). Nothing is counted."""
+        and dropped, so the timed request finds its earlier turns in the prefix cache. An EAGLE-3 head
+        catches up (and offers its KV over the history's full blocks) on the first of those decode steps
+        its policy drafts: always under the static policy; the adaptive one may decode them plainly, and
+        the timed request's head then reads zeros over the history, where a live session whose earlier
+        answer was speculated would have the head's KV (so warm figures can understate the head). With one
+        token answered the head never ran. Nothing is counted."""
         from augury.sampling_params import SamplingParams
 
         keys = {tuple(p) for p in prompts}
