@@ -177,12 +177,16 @@ def _as_folders(config: EngineConfig) -> ResolvedModel:
 
 def run_warmup(engine: Engine) -> None:
     """One short greedy request through the whole path (a speculator warming up decodes one step
-    plainly and drafts the rest, and tells its policy nothing); it must finish and free its blocks.
+    plainly and drafts the rest of 8 tokens, and tells its policy nothing; without one, 2 tokens); it
+    must finish and free its blocks.
     Nothing is profiled: the adaptive policy measures both arms online, each batch bucket starting
     plain."""
     free_before = engine.allocator.num_free
+    # without a speculator a prefill and one decode step cover the path: each more step was a decode
+    # step's time added to every start (~30 ms at 1B, ~90 at 3B, ~150 at 8B, Q4-Q6 files on 2 threads)
+    tokens = 8 if engine.speculator is not None else 2
     rid = engine.add_request([engine.model_cfg.bos_token_id or 1] * 4,
-                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "warmup")
+                             SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), "warmup")
     done = False
     for _ in range(64):
         for out in engine.step():

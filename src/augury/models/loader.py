@@ -33,15 +33,19 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def materialise(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Every tensor of `model` still on the meta device made real (uninitialised) on `device`,
-    floating ones in `dtype`: to_empty().to(dtype) for what is left, leaving built modules alone."""
+    floating ones in `dtype`: to_empty().to(dtype) for what is left, leaving built modules alone.
+    torch.empty from the shape, not empty_like of the meta tensor: that goes through torch's Python
+    reference (torch._refs), whose first call imports sympy (0.3 s of a start)."""
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tuple(t.shape), device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                t = torch.empty_like(p, device=device, dtype=dtype if p.is_floating_point() else p.dtype)
-                setattr(module, name, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+                setattr(module, name, torch.nn.Parameter(real(p), requires_grad=p.requires_grad))
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                setattr(module, name, torch.empty_like(b, device=device, dtype=dtype if b.is_floating_point() else b.dtype))
+                setattr(module, name, real(b))
 
 
 def copy_strict(
