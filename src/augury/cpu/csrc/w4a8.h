@@ -271,7 +271,7 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
 #else
     // AVX2 sums the maddubs pairs in int16 for 4-bit codes (8 x |2 * 15 * 127| < 2^15); 5-bit codes
     // (8 x 2 * 31 * 127 would not fit) widen each pair sum to int32 at once: the same integers
-    constexpr bool WIDE = HB;  // BUF's codes are 4-bit for Q4_0 / Q4_1 / Q4_K (the callers' HB says 5-bit)
+    constexpr bool WIDE = HB;  // BUF: Q5_K's codes (HB), five bits
 #endif
     const __m256i low4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
     __m256 acc[R][2];
@@ -458,9 +458,9 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
                 const float *dr = a.dx + m0 * Gp, *sr = a.xs + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define AUGURY_WIDE_ROWS(X) X(8) X(7) X(6) X(5) X(4) X(3) X(2) X(1)
+#define AUGURY_ROW_CASES(X) X(8) X(7) X(6) X(5) X(4) X(3) X(2) X(1)
 #else
-#define AUGURY_WIDE_ROWS(X) X(4) X(3) X(2) X(1)
+#define AUGURY_ROW_CASES(X) X(4) X(3) X(2) X(1)
 #endif
 #if !(defined(__AVX512F__) && defined(__AVX512BW__))
                 if (buf) {  // 5-bit codes: HB's int32 sums, from the buffer
@@ -468,7 +468,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
                         switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n, S, Z, true, true>(buf, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
-                            AUGURY_WIDE_ROWS(AUGURY_ROWS)
+                            AUGURY_ROW_CASES(AUGURY_ROWS)
 #undef AUGURY_ROWS
                         }
                     }
@@ -479,7 +479,7 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
                         switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n, S, Z, true>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out, ph); break;
-                            AUGURY_WIDE_ROWS(AUGURY_ROWS)
+                            AUGURY_ROW_CASES(AUGURY_ROWS)
 #undef AUGURY_ROWS
                         }
                     }
@@ -487,11 +487,11 @@ inline void columns(const Rounded &a, int64_t M, const uint8_t *codes, const S *
                     switch (r) {
 #define AUGURY_ROWS(n) \
     case n: panel<n>(pc, ps, pz, G, Gp, xr, dr, sr, ir, K, out); break;
-                        AUGURY_WIDE_ROWS(AUGURY_ROWS)
+                        AUGURY_ROW_CASES(AUGURY_ROWS)
 #undef AUGURY_ROWS
                     }
                 }
-#undef AUGURY_WIDE_ROWS
+#undef AUGURY_ROW_CASES
                 for (int64_t i = 0; i < r; i++) store.row16(m0 + i, p * PANEL, out + i * PANEL);
             }
         }
