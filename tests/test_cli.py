@@ -448,6 +448,9 @@ def test_bench_acceptance_per_kind_splits_each_prompts_own_counts() -> None:
             self.name = "fake"
             self.reset_counts()
 
+        def prepare(self, prompts):  # no engine whose caches to empty, no histories
+            pass
+
         def generate(self, prompts, output_len, stop_at_eos=False):
             for p in prompts:  # prompt p: 2 verify steps accepting p[0] drafts in all
                 rec = self.per_prompt.setdefault(tuple(p), [0, 0])
