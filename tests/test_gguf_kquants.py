@@ -1,6 +1,6 @@
 """GGUF K-quants, Q8_0 and Q5_0/Q5_1 run natively (models/gguf_blocks.py, models/native.py).
 
-Each type's blocks (gguf-py's quantiser for the legacy types; random valid blocks, random bytes
+Each type's blocks (gguf-py's quantiser for the legacy types, Q4_0 among them; random valid blocks, random bytes
 with sane float16 super-block scales, for the K-quants gguf-py cannot quantise) decode to exactly
 gguf-py's dequantised values, the kernels multiply those values (against activations rounded to
 int8 per group of 32, as every augury kernel) within float32 summation of a float64 reference,
@@ -49,6 +49,15 @@ def reference(raw: np.ndarray, qtype: QT) -> np.ndarray:
 
 
 def module(raw: np.ndarray, qtype: QT) -> torch.nn.Module:
+    if qtype == QT.Q4_0:  # the legacy 4-bit types' side-file parts (models/gguf.py)
+        from augury.models.gguf import _repack_q4
+        from augury.models.quant import unpack_codes
+
+        p = {k: torch.from_numpy(v) for k, v in _repack_q4(qtype, raw.reshape(raw.shape[0], -1)).items()}
+        m = native.build(["int4"], [{**p, "codes": unpack_codes(p["codes"])}], None, torch.bfloat16,
+                         torch.device("cpu"))
+        assert m is not None
+        return m
     kind, parts = gguf_blocks.decode(raw, qtype)
     m = native.build([kind], [{k: torch.from_numpy(v) for k, v in parts.items()}], None, torch.bfloat16,
                      torch.device("cpu"))
@@ -74,6 +83,8 @@ def kernel_out(m: torch.nn.Module, x: torch.Tensor, kernels=None) -> torch.Tenso
         return w8.linear6(x, m.codes, m.d, m.sub, out_dtype=torch.float32)
     if isinstance(m, native.W4FLinear):
         return w4.linear(x, m.codes, m.scale, m.zero, out_dtype=torch.float32)
+    if isinstance(m, native.W40Linear):
+        return w4.linear40(x, m.codes, m.d, out_dtype=torch.float32)
     return w8.linear_general(x, m.codes, m.scale, m.zero, m.sub, out_dtype=torch.float32)
 
 
@@ -114,6 +125,31 @@ def test_native_linear_holds_the_values_and_its_kernel_multiplies_them(qtype) ->
     assert torch.equal(alone, got.float())
     assert torch.equal(torch.cat([kernel_out(m, x[:5]), kernel_out(m, x[5:])]), got.float())
     # the module's forward: the kernel's sum rounded once to bfloat16
+    assert torch.equal(m(x), got.float().to(torch.bfloat16))
+
+
+@needs_kernels
+def test_q4_0_runs_in_its_own_float16_scales() -> None:
+    """A Q4_0 tensor on W40Linear: d float16 per 32 and no zero (4.5 bits a weight, as the file: the
+    bfloat16 int4 linear took 5 and rounded d), gguf-py's values to the bit, the kernel multiplying them,
+    rows row-count invariant, the module's forward the kernel's sum rounded once."""
+    raw = blocks(QT.Q4_0, 48, 512, seed=21)
+    want = reference(raw, QT.Q4_0)
+    m = module(raw, QT.Q4_0)
+    assert isinstance(m, native.W40Linear)
+    assert sum(t.numel() * t.element_size() for t in m.buffers()) * 8 / (48 * 512) == 4.5
+    assert same_bits(m.dequantize(), want)
+    # d with more significant bits than bfloat16 holds: the bfloat16 form could not give these values
+    d = m.d.float()
+    assert not torch.equal(d.to(torch.bfloat16).float(), d)
+    x = (torch.randn(9, 512, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    x[3, 32:64] = 0.0
+    got = kernel_out(m, x).double()
+    xt = rounded_activations(x)
+    ref = xt @ torch.from_numpy(want).double().t()
+    tol = 2e-6 * (xt.abs() @ torch.from_numpy(want).double().abs().t()) + 1e-6
+    assert ((got - ref).abs() <= tol).all(), float((got - ref).abs().max())
+    assert torch.equal(torch.cat([kernel_out(m, x[i:i + 1]) for i in range(9)]), got.float())
     assert torch.equal(m(x), got.float().to(torch.bfloat16))
 
 
@@ -161,6 +197,10 @@ def test_mixed_parts_take_the_narrowest_exact_kind() -> None:
     mix = [parts(QT.Q4_0, 16, 6), parts(QT.Q4_1, 16, 7)]
     assert isinstance(native.build([k for k, _, _ in mix], [p for _, p, _ in mix], None, torch.bfloat16, cpu),
                       Int4Linear)
+    both = [mix[0], parts(QT.Q4_0, 32, 9)]  # Q4_0 alone: its own float16 d, exactly
+    m = native.build([k for k, _, _ in both], [p for _, p, _ in both], None, torch.bfloat16, cpu)
+    assert isinstance(m, native.W40Linear)
+    assert same_bits(m.dequantize(), np.concatenate([r for _, _, r in both]))
     assert native.build(["int4", "dense"], [mix[0][1], mix[1][1]], None, torch.bfloat16, cpu) is None
 
 
@@ -196,7 +236,7 @@ _LEVELS = [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)]
 @needs_kernels
 @pytest.mark.skipif(not _LEVELS, reason="this CPU runs only the avx2 level")
 def test_every_isa_level_gives_the_avx2_bits() -> None:
-    mods = [module(blocks(qt, 48, 512, seed=7 + i), qt) for i, qt in enumerate(TYPES)]
+    mods = [module(blocks(qt, 48, 512, seed=7 + i), qt) for i, qt in enumerate([*TYPES, QT.Q4_0])]
     x = (torch.randn(13, 512, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
     outs = {}
     for lv in ("avx2", *_LEVELS):

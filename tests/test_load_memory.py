@@ -103,8 +103,8 @@ def test_loading_a_gguf_conversion_adds_about_its_weights(tmp_path: Path) -> Non
     out = subprocess.run([sys.executable, "-c", CHILD, str(folder)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    # every linear native (the layers as int4, the tied output layer in Q6_K), the embedding over its W6KLinear
-    assert got["quantization"] == "int4" and got["kinds"] == ["Int4Linear", "NativeOutputLinear", "PackedEmbedding",
+    # every linear native (the layers as Q4_0, the tied output layer in Q6_K), the embedding over its W6KLinear
+    assert got["quantization"] == "int4" and got["kinds"] == ["NativeOutputLinear", "PackedEmbedding", "W40Linear",
                                                               "W6KLinear"], got
     dense_mb = sum(f.stat().st_size for f in folder.glob("model*.safetensors")) / 2**20
     assert got["weights"] < 0.5 * dense_mb  # a real gap between the native weights and a dense copy

@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 # (token_embd type, tied): tied files keep their output layer in token_embd's type, as llama.cpp does
 CASES = [(QT.Q4_0, False), (QT.Q4_1, False), (QT.Q5_0, False), (QT.Q8_0, True), (QT.Q4_K, False),
          (QT.Q5_K, False), (QT.Q6_K, True), (QT.Q4_K, True), (QT.Q5_K, True)]
-TABLE = {QT.Q4_0: native.W4FLinear, QT.Q4_1: native.W4FLinear, QT.Q5_0: native.W8GLinear,
+TABLE = {QT.Q4_0: native.W40Linear, QT.Q4_1: native.W4FLinear, QT.Q5_0: native.W8GLinear,
          QT.Q8_0: native.W8GLinear, QT.Q4_K: native.W4KLinear, QT.Q5_K: native.W4KLinear,
          QT.Q6_K: native.W6KLinear}
 

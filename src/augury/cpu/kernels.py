@@ -107,6 +107,7 @@ class W4A8:
                              [_P, _I32, _I64, _I64, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
         self._fn_k = _bind(self._lib, "augury_w4k_linear",
                            [_P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32, _I32], _I32)
+        self._fn_40 = _bind(self._lib, "augury_w40_linear", [_P, _I32, _I64, _I64, _P, _P, _I64, _P, _I32, _I32], _I32)
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -114,7 +115,8 @@ class W4A8:
         """codes [N, K] integers 0..15, scale / zero [N, K / 32] (values of `dtype`), N a multiple of 16
         -> the kernel's panels of 16 columns (csrc/w4a8.h): codes [N / 16, G, 256] uint8, scale and
         zero [N / 16, G, 16] in `dtype`, G = K / 32. bfloat16: w = (q - 8) s + z; float32: w = q s + z
-        (the kernel's float32 form, linear() choosing it by the scales' dtype)."""
+        (the kernel's float32 form, linear() choosing it by the scales' dtype); float16: GGUF's Q4_0,
+        w = (q - 8) s (linear40, which reads no zero)."""
         n, k = codes.shape
         if k % GROUP or n % PANEL:
             raise ValueError(f"w4a8 needs in_features % {GROUP} == 0 and out_features % {PANEL} == 0, got [{n}, {k}]")
@@ -124,8 +126,8 @@ class W4A8:
         c = codes.cpu().numpy().astype(np.uint8).reshape(p, PANEL, g, 4, 2, 4).transpose(0, 2, 3, 1, 4, 5)
         nib = torch.from_numpy(np.ascontiguousarray(c[..., 0, :] | (c[..., 1, :] << 4)).reshape(p, g, 4 * PANEL * 4))
 
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"w4a8 scales are bfloat16 or float32, not {dtype}")
+        if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise ValueError(f"w4a8 scales are bfloat16, float32 or float16, not {dtype}")
 
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype).reshape(p, PANEL, g).transpose(1, 2).contiguous()
@@ -199,6 +201,28 @@ class W4A8:
         y = torch.empty(m, p * PANEL, dtype=out_dtype)
         rc = self._fn_k(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), sm.data_ptr(),
                         dd.data_ptr(), None if high is None else high.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
+        if rc:
+            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        return y
+
+    def linear40(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: GGUF's Q4_0
+        in its own numbers, w = (q - 8) d with d [N / 16, G, 16] float16 (pack()'s panels, 4.5 bits a weight)."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        x = x.contiguous()
+        m, k = x.shape
+        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
+        p, g, _ = codes.shape
+        if k != g * GROUP:
+            raise ValueError(f"w4a8 (Q4_0): input has {k} features, the weights {g * GROUP}")
+        _expect("w4a8", "d", d, (torch.float16,), (p, g, PANEL))
+        out_dtype = out_dtype or x.dtype
+        y = torch.empty(m, p * PANEL, dtype=out_dtype)
+        rc = self._fn_40(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), d.data_ptr(), p * PANEL,
+                         y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
         if rc:
             raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
         return y

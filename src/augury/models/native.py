@@ -3,8 +3,10 @@
 A GGUF conversion (models/gguf.py) writes each quantised tensor it can run natively to a side file
 in one of these kinds (models/gguf_blocks.py decodes the blocks):
 
-- "int4": Q4_0 / Q4_1, codes 0..15 with w = (q - 8) scale + zero (quant.Int4Linear, the w4a8 kernel
-  with bfloat16 scales: 5 bits a weight);
+- "int4": Q4_0 / Q4_1, codes 0..15 with w = (q - 8) scale + zero: Q4_0 (zero 0) on W40Linear, the
+  w4a8 kernel with its float16 d and no zero (4.5 bits a weight, the format's values exactly); Q4_1 on
+  quant.Int4Linear, the w4a8 kernel with bfloat16 scales and zeros (5 bits a weight, d and m + 8d
+  rounded to bfloat16);
 - "q4k": Q4_K, codes 0..15 and its own scales, w = d sc q - dmin m (W4KLinear, the w4a8 kernel's
   super-block form: d, dmin float16 per 256, sc, m 6-bit per 32 in a byte each: 4.625 bits a weight,
   the format's values exactly);
@@ -17,7 +19,7 @@ in one of these kinds (models/gguf_blocks.py decodes the blocks):
 
 One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
 keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
-exactly: all int4 -> Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear. Parts of several
+exactly: all int4 -> W40Linear where every zero is 0 (Q4_0), else Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear. Parts of several
 kinds run as a SegmentedLinear, each run of one kind on its own kernel (whole panels of 16 rows each);
 where that cannot be, int4 with q4k -> W4FLinear (float32 scale and zero per 32, 6 bits a weight:
 Q4_K's d sc and -dmin m exactly, Q4_0's zero -8d exactly, Q4_1's m + 8d as rounded once already) and
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("int4", "q4k", "q5k", "q6k", "q8g")
 # forward.cpp's projection kinds (its Kind enum)
-FUSED_W4F, FUSED_W8G, FUSED_W4K, FUSED_W6K, FUSED_SEGMENTS = 2, 3, 4, 5, 6
+FUSED_W4F, FUSED_W8G, FUSED_W4K, FUSED_W6K, FUSED_SEGMENTS, FUSED_W40 = 2, 3, 4, 5, 6, 7
 
 
 class W4FLinear(_QuantLinear):
@@ -88,6 +90,54 @@ class W4FLinear(_QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", w4a8 float32 scales (Q4_K)"
+
+
+class W40Linear(_QuantLinear):
+    """GGUF's Q4_0 in its own numbers, w = (q - 8) d (d float16 per 32, no zero), on the w4a8 kernel
+    (bfloat16, CPU): 4.5 bits a weight, the bytes llama.cpp reads a token, where Int4Linear's bfloat16
+    scale and zero take 5 and round d to 8 significant bits."""
+
+    kernel_devices = ("cpu",)
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """codes [N, K] integers 0..15; d [N, K / 32] float16 (any dtype holding float16 values exactly)."""
+        kernel = cpu_kernels.w4a8()
+        n, k = codes.shape
+        if kernel is None or n % INT4_N_MULTIPLE or k % INT4_GROUP:
+            raise ValueError(f"W40Linear needs augury's w4a8 kernel and a [N % 16, K % 32] shape, got [{n}, {k}]")
+        half = d.to(torch.float16)
+        if not torch.equal(half.to(d.dtype), d):
+            raise ValueError("W40Linear's scales must be float16 values (GGUF's Q4_0 d)")
+        super().__init__(bias, torch.bfloat16, torch.device("cpu"))
+        self.out_features, self.in_features = n, k
+        c, dp, _ = kernel.pack(codes, half, half, torch.float16)
+        self.register_buffer("codes", c)  # [N/16, K/32, 256] uint8
+        self.register_buffer("d", dp)  # [N/16, K/32, 16] float16
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] the kernel multiplies (before the activations' rounding)."""
+        codes, d, _ = cpu_kernels.W4A8.unpack(self.codes, self.d, self.d)
+        n, k = codes.shape
+        q = codes.float().view(n, k // INT4_GROUP, INT4_GROUP) - 8.0
+        return (q * d.float()[..., None]).view(n, k)
+
+    def scales_device(self) -> torch.device:
+        return self.d.device
+
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        kernel = cpu_kernels.w4a8()
+        if kernel is None:
+            raise RuntimeError("this linear was packed for augury's w4a8 kernel, which is unavailable now")
+        return kernel.linear40(x, self.codes, self.d, out_dtype)
+
+    def fused_fields(self) -> list[int] | None:
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            return None
+        return [FUSED_W40, self.codes.data_ptr(), self.d.data_ptr(), 0, 0, 0 if b is None else b.data_ptr()]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", w4a8 Q4_0 float16 scales"
 
 
 class W4KLinear(_QuantLinear):
@@ -351,6 +401,10 @@ def build(kinds: list[str], parts: list[Part], bias: torch.Tensor | None, dtype:
                 return SegmentedLinear(mods, bias)
     if kind == "int4":
         cat = {k: _rows([p[k] for p in parts]) for k in ("codes", "scale", "zero")}
+        if dtype == torch.bfloat16 and device.type == "cpu" and cpu_kernels.w4a8() is not None \
+                and not cat["zero"].any() and torch.equal(cat["scale"].to(torch.float16).to(cat["scale"].dtype),
+                                                         cat["scale"]):
+            return W40Linear(cat["codes"], cat["scale"], bias)  # Q4_0: w = (q - 8) d, d float16
         return Int4Linear(cat["codes"], cat["scale"], cat["zero"], bias, dtype, device=device)
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None  # the float32 and general forms run in augury's CPU kernels, bfloat16 only

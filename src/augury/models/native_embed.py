@@ -7,9 +7,10 @@ Q8_0 / Q5_0 / Q5_1 on W8GLinear, 4.6 to 9.5 bits a weight), whose buffers are pa
 a lookup dequantises just the panels holding the ids asked for (each once), through the linear's own
 `dequantize()`, and picks the rows. Every format's values are exact in float32 and are rounded once to
 bfloat16, so the rows are the dense bfloat16 embedding a conversion writes (gguf-py's values rounded
-the same way), bit for bit. Q4_0 / Q4_1 are held on W4FLinear (w = q d + m, float32 per 32: 6 bits
-a weight) instead of the int4 linear's bfloat16 scales, which would round d; Q4_0's rows are computed
-as d (q - 8), as gguf-py does (q d - 8 d gives the same numbers but +0.0 where d (q - 8) is -0.0).
+the same way), bit for bit. Q4_0 is held on W40Linear (its float16 d, 4.5 bits a weight, rows computed
+as d (q - 8), as gguf-py does: q d - 8 d gives the same numbers but +0.0 where d (q - 8) is -0.0), Q4_1
+on W4FLinear (w = q d + m, float32 per 32: 6 bits a weight) instead of the int4 linear's bfloat16
+scales, which would round d (a Q4_0 table from an index without types too, its rows as d (q - 8)).
 
 `output_layer` builds the output layer from one GGUF tensor in its own type, exactly: Q8_0 (and Q5_0,
 whose codes and scales are Q8_0's form) as a W8A8OutputLinear on its panels as they are (chosen
@@ -133,6 +134,8 @@ class PackedEmbedding(KernelModule, nn.Module):
         def make(part: dict[str, torch.Tensor]) -> nn.Module | None:
             if kind != "int4":
                 return native.build([kind], [part], None, dtype, device)
+            if source == "Q4_0" and cpu_kernels.w4a8() is not None and part["codes"].shape[1] % 32 == 0:
+                return native.W40Linear(part["codes"], part["scale"], None)  # d (q - 8), as gguf-py
             zeros[0] = zeros[0] and not part["zero"].any()
             part = _q4_as_w4f(part)
             return None if part is None or cpu_kernels.w4a8() is None or part["codes"].shape[1] % 32 else \
@@ -141,7 +144,8 @@ class PackedEmbedding(KernelModule, nn.Module):
         table = packed_table(kind, rows, vocab, dtype, device, make)
         if table is None:
             return None
-        q4_0 = kind == "int4" and (source == "Q4_0" or (source is None and zeros[0]))  # an index without types
+        # a W4FLinear holding Q4_0 (an index without types): its rows computed as d (q - 8)
+        q4_0 = isinstance(table, native.W4FLinear) and (source == "Q4_0" or (source is None and zeros[0]))
         return PackedEmbedding(table, vocab, q4_0)
 
     def _values(self, panels: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,12 @@ using namespace augury::w4a8;
 // w8a8 kernel's general form (C, S, optional Z and X: sub-scales per 16; Q8_0, Q6_K, Q5_*), int4 with
 // Q4_K's own super-block scales (C, S: sc and m uint8, Z: d and dmin float16, X: Q5_K's fifth bits or 0;
 // w4a8.h).
-// Q6_K in six bits a code (C, S: d float16, X: sub-scales; w8a8.h's columns6).
+// Q6_K in six bits a code (C, S: d float16, X: sub-scales; w8a8.h's columns6). Q4_0 in its own numbers
+// (C, S: d float16 per 32, no zero; w4a8.h's Half).
 // A projection whose row blocks differ in kind (a Q4_K_M layer's q|k in Q4_K, v in Q6_K) is SEGMENTS:
 // C points to an int64 table [count, then per segment n0, n, kind, C, S, Z, X], each segment a quantised
 // kind over output columns n0 .. n0 + n - 1, all of them on the same rounded activations.
-enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4, W6K = 5, SEGMENTS = 6 };
+enum Kind { DENSE = 0, W4A8 = 1, W4F = 2, W8G = 3, W4K = 4, W6K = 5, SEGMENTS = 6, W40 = 7 };
 enum Part { P_KIND, P_C, P_S, P_Z, P_X, P_B, PART_FIELDS };
 
 template <class T>
@@ -109,6 +110,10 @@ inline void quantised(int64_t kind, const int64_t *q, int64_t T, Rounded &a, int
         case W4K:
             columns(a, T, at<const uint8_t>(q, 0), at<const uint8_t>(q, 1), at<const uint16_t>(q, 2), N, store, bar,
                     at<const uint8_t>(q, 3));
+            break;
+        case W40:
+            columns(a, T, at<const uint8_t>(q, 0), at<const Half>(q, 1), static_cast<const Half *>(nullptr), N, store,
+                    bar);
             break;
         case W6K:
             augury::w8a8::columns6(a, T, at<const uint8_t>(q, 0), at<const uint16_t>(q, 1), at<const int8_t>(q, 3), N,

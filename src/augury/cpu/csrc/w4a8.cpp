@@ -49,6 +49,20 @@ extern "C" int augury_w4f_linear(const void *x, int x_bf16, int64_t M, int64_t K
     return 0;
 }
 
+// GGUF's Q4_0 in its own numbers (w4a8.h's Half): d [N / 16, G, 16] float16 bits, w = (q - 8) d, no zero.
+// Returns 0, 1 for bad shapes, 2 when out of memory.
+extern "C" int augury_w40_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
+                                 const uint16_t *d, int64_t N, void *y, int y_bf16, int nthreads) {
+    if (K % GROUP || M < 0 || N < 0 || N % PANEL) return 1;
+    OwnedRounded a(M, K, K / GROUP);
+    if (!a.ok()) return 2;
+    const StoreY store{y, y_bf16 != 0, N};
+    const Half *s = reinterpret_cast<const Half *>(d), *z = nullptr;
+    augury::prepare_then_run(M, nthreads, [&](augury::Barrier &bar) { round_rows(x, x_bf16 != 0, M, a, bar); },
+                             [&](augury::Barrier &bar) { columns(a, M, codes, s, z, N, store, bar); });
+    return 0;
+}
+
 // Q4_K in its own scales (w4a8.h): sm [N / 16, G, 32] uint8 (sc, then m, of the panel's 16 columns, 6-bit),
 // dd [N / 16, G / 8, 32] float16 bits (d, then dmin); w = d sc q - dmin m, the float32 form's bits. With
 // high [N / 16, G, 64] (null for Q4_K) each code's fifth bit (w4a8.h's panel): Q5_K, q 0..31.

@@ -113,12 +113,22 @@ constexpr int64_t BUF_GROUP_BYTES = 512;  // a group's rebuilt codes: per block 
 // - Q4_K's own super-block scales: S = uint8_t, sc then m [P, G, 32] (16 columns each, 6-bit values),
 //   Z = uint16_t, d then dmin [P, G / 8, 32] float16; per group s = d sc and z = -(dmin m), computed
 //   exactly in float32: the float32 form's numbers and bits in 4.625 bits a weight instead of 6.
+// - GGUF's Q4_0 in its own numbers: S = Z = Half (float16 bits), d [P, G, 16], w = (q - 8) d and no
+//   zero (z is not read: pass null): 4.5 bits a weight, the format's values exactly (the bfloat16
+//   form rounds d and stores a zero of 0 beside it, 5 bits a weight).
+struct Half {
+    uint16_t bits;
+};
 template <class S>
 constexpr int code_offset = 8;
 template <>
 constexpr int code_offset<float> = 0;
 template <>
 constexpr int code_offset<uint8_t> = 0;
+template <class S>
+constexpr bool has_zero = true;  // false: no zero term, not even an fma of 0 (Q4_0)
+template <>
+constexpr bool has_zero<Half> = false;
 template <class S>
 constexpr int64_t scale_width = PANEL;  // scale elements per panel and group
 template <>
@@ -127,6 +137,8 @@ template <class S>
 inline int64_t zero_stride(int64_t G) { return G * PANEL; }  // zero elements per panel
 template <>
 inline int64_t zero_stride<uint8_t>(int64_t G) { return G / 8 * 2 * PANEL; }
+template <>
+inline int64_t zero_stride<Half>(int64_t) { return 0; }  // no zeros
 
 // columns h * 8 .. h * 8 + 7 of group g's scales and zeros
 inline void scales8(const uint16_t *ps, const uint16_t *pz, int64_t g, int h, __m256 &s, __m256 &z) {
@@ -139,6 +151,9 @@ inline __m256 u8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
 }
 inline __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+inline void scales8(const Half *ps, const Half *, int64_t g, int h, __m256 &s, __m256 &z) {
+    s = f16x8(&ps[g * PANEL + 8 * h].bits), z = _mm256_setzero_ps();
+}
 inline void scales8(const uint8_t *ps, const uint16_t *pz, int64_t g, int h, __m256 &s, __m256 &z) {
     const uint8_t *q = ps + g * 2 * PANEL + 8 * h;
     const uint16_t *d = pz + g / 8 * 2 * PANEL + 8 * h;
@@ -154,6 +169,7 @@ inline int32_t load_i32(const int8_t *p) {
 
 // Each column's sum, the same float operations in the same order on every ISA (lanes are columns):
 //   acc = 0; for g: acc = fma(float(dot_g - 8 xsum_g), s_g * dx_g, acc); acc = fma(z_g, xs_g, acc)
+// (the second fma only where the storage has zeros: has_zero)
 // with dot_g = sum_j q xq over the group, exact in int32.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int ROW_BLOCK = 8;  // rows sharing each weight load (32 zmm registers)
@@ -187,6 +203,9 @@ inline void scales16(const uint8_t *ps, const uint16_t *pz, int64_t g, __m512 &s
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(d + PANEL)));
     s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)));
     z = _mm512_xor_ps(_mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))), _mm512_set1_ps(-0.0f));
+}
+inline void scales16(const Half *ps, const Half *, int64_t g, __m512 &s, __m512 &z) {
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(ps + g * PANEL))), z = _mm512_setzero_ps();
 }
 
 // one panel's 16 columns against R rows (rows r * K of xq, r * Gp of dx / xs / xsum): out[r * 16 + c].
@@ -229,7 +248,7 @@ inline void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_
         for (int r = 0; r < R; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(ia[r]);
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(dx[r * Gp + g])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[r * Gp + g]), acc[r]);
+            if constexpr (has_zero<S>) acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[r * Gp + g]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
@@ -325,7 +344,7 @@ void panel(const uint8_t *pc, const S *ps, const Z *pz, int64_t G, int64_t Gp, c
                 const __m256i sum = WIDE ? ia[r][h] : _mm256_madd_epi16(ia[r][h], _mm256_set1_epi16(1));
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, x8));
                 acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv[h], d), acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(zv[h], x, acc[r][h]);
+                if constexpr (has_zero<S>) acc[r][h] = _mm256_fmadd_ps(zv[h], x, acc[r][h]);
             }
         }
     }
