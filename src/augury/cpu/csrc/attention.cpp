@@ -32,7 +32,7 @@ extern "C" int augury_attend_rows(const void *q, int q_bf16, int64_t R, int64_t 
 #pragma omp parallel num_threads(nthreads) if (augury::attention_parallel(R, nh, nkv, W))
     {
         std::vector<float> scores;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)  // in turn: rows of a prefill read more keys the later they come
         for (int64_t t = 0; t < R * nkv; t++) {
             const int64_t r = t / nkv, g = t % nkv;
             augury::attend_task(q, q_bf16 != 0, r, g, nh, hd, kc, vc, kv, nkv, slots + r * W, nkeys[r],

@@ -204,7 +204,9 @@ struct Stack {
             }
             bar.wait();
             if (split_attention) {
-#pragma omp for schedule(static) nowait
+                // one task at a time in turn (static, 1): a prefill's row t reads t + 1 keys, so contiguous
+                // halves gave the second thread ~3x the first's work
+#pragma omp for schedule(static, 1) nowait
                 for (int64_t task = 0; task < T * nkv; task++) {
                     const int64_t t = task / nkv, g = task % nkv;
                     augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t], scale,

@@ -186,7 +186,7 @@ struct Head {
             std::memcpy(vc + slot * NKV, row + NQ + NKV, static_cast<size_t>(NKV) * 2);
         }
         bar.wait();
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(static, 1) nowait  // in turn: a catch-up's later rows read more keys
         for (int64_t task = 0; task < T * nkv; task++) {
             const int64_t t = task / nkv, g = task % nkv;
             augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t], scale, att, true,
