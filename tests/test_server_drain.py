@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers_server import ServerProcess, serve, server_env, shared_tiny_checkpoint
+from helpers_server import ServerProcess, make_tiny_checkpoint, serve, server_env, shared_tiny_checkpoint
 
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
 BASE = ["--dtype", "float32", "--speculative-algorithm", "none"]
@@ -34,13 +34,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_tiny_checkpoint(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 4096 positions: answers long enough to outlast a shutdown timeout on a fast
+    CPU (16 x 240 tokens of the 256-position one took under a second on a Zen 5 EPYC)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("long-tiny") / "model", max_positions=4096)
+
+
 class Stream:
     """A streamed completion read on its own thread: every `data:` payload, decoded."""
 
-    def __init__(self, server: ServerProcess, model: str, n: int) -> None:
+    def __init__(self, server: ServerProcess, model: str, n: int, max_tokens: int = 240) -> None:
         self.events: list = []
         self.status: int | None = None
-        body = {"model": model, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True, "n": n}
+        body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "n": n}
         self._thread = threading.Thread(target=self._read, args=(server.base_url, body), daemon=True)
         self._thread.start()
 
@@ -112,15 +120,16 @@ def test_sigterm_lets_requests_in_flight_finish_refuses_new_ones_and_exits_0(tin
     assert _in_flight_at_signal(log) >= 1 and "drained in" in log and "Traceback" not in log
 
 
-def test_what_runs_past_the_shutdown_timeout_is_cut_naming_the_shutdown(tiny: Path) -> None:
+def test_what_runs_past_the_shutdown_timeout_is_cut_naming_the_shutdown(long_tiny: Path) -> None:
+    tiny = long_tiny
     with serve(["--model", str(tiny), *BASE, "--shutdown-timeout", "0.5"]) as server:
         plain: list[httpx.Response] = []
-        body = {"model": str(tiny), "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "n": 16}
+        body = {"model": str(tiny), "prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "n": 16}
         waiter = threading.Thread(target=lambda: plain.append(
             httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)), daemon=True)
         waiter.start()
         time.sleep(0.2)  # admitted first (one tokenizer thread, first come first served)
-        stream = Stream(server, str(tiny), n=16)
+        stream = Stream(server, str(tiny), n=16, max_tokens=4000)
         stream.wait_started()
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
