@@ -19,8 +19,8 @@ in one of these kinds (models/gguf_blocks.py decodes the blocks):
 
 One module holds one linear of the target, and the target fuses q|k|v and gate|up: a Q4_K_M file
 keeps q and k in Q4_K and v in Q6_K in some layers. `plan` takes the narrowest kind every part fits
-exactly: all int4 -> W40Linear where every zero is 0 (Q4_0), else Int4Linear; all q4k / q5k -> W4KLinear; all q6k -> W6KLinear. Parts of several
-kinds run as a SegmentedLinear, each run of one kind on its own kernel (whole panels of 16 rows each);
+exactly: all int4 -> W40Linear where every zero is 0 (Q4_0), else Int4Linear; all q4k / q5k ->
+W4KLinear; all q6k -> W6KLinear. Parts of several kinds run as a SegmentedLinear, each run of one kind on its own kernel (whole panels of 16 rows each);
 where that cannot be, int4 with q4k -> W4FLinear (float32 scale and zero per 32, 6 bits a weight:
 Q4_K's d sc and -dmin m exactly, Q4_0's zero -8d exactly, Q4_1's m + 8d as rounded once already) and
 anything else W8GLinear (4-, 5- and 6-bit codes are int8 codes too, with their sub-scales and zeros). A part
