@@ -75,7 +75,8 @@ def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-    assert set(kinds[5:-4]) == {"response.output_text.delta"}
+    # more deltas, or none: the whole answer came as one delta in some runs on a Zen 5 EPYC
+    assert set(kinds[5:-4]) <= {"response.output_text.delta"}
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     done = next(e for e in events if e.type == "response.output_text.done")
     final = events[-1].response

@@ -18,7 +18,6 @@ naming the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ from augury.server.errors import APIError, bad_request
 from augury.server.fields import refuse
 from augury.server.ops import request_id
 from augury.server.protocol import ChatCompletionRequest, _Request
+from augury.server.streams import sse_json
 from augury.server.serving import ServerState, admit, chat_job
 from augury.server.responses_items import OutputBuilder
 from augury.server.streams import GroupStreamingResponse, collect, usage
@@ -388,4 +388,4 @@ def add_response_routes(app, state: ServerState, dependencies: list, responses: 
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return sse_json(obj)
