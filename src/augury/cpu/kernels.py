@@ -180,19 +180,31 @@ class W4A8:
         (sc, m), (d, dmin) = split(sm), split(dd)
         return c, d, dmin, sc, m
 
+    @staticmethod
+    def _checked(x: torch.Tensor, codes: torch.Tensor, form: str, groups: int = 1) -> tuple[torch.Tensor, int, int]:
+        """(x contiguous, panels p, groups g of the codes [p, g, 256]), or a ValueError naming what the kernel
+        cannot take; K a multiple of 32 * groups (8 for the K-quants' super-blocks of 256)."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
+        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
+        p, g, _ = codes.shape
+        if x.shape[1] != g * GROUP or g % groups:
+            multiple = f" (a multiple of {groups * GROUP})" if groups > 1 else ""
+            raise ValueError(f"w4a8{form}: input has {x.shape[1]} features, the weights {g * GROUP}{multiple}")
+        return x.contiguous(), p, g
+
+    @staticmethod
+    def _failed(rc: int) -> None:
+        if rc:
+            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+
     def linear_k(self, x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, dd: torch.Tensor,
                  high: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: Q4_K in its
         own scales (pack_k's panels), the bits linear() gives the same weights with float32 scales."""
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        x = x.contiguous()
+        x, p, g = self._checked(x, codes, " (Q4_K)", 8)
         m, k = x.shape
-        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
-        p, g, _ = codes.shape
-        if k != g * GROUP or g % 8:
-            raise ValueError(f"w4a8 (Q4_K): input has {k} features, the weights {g * GROUP} (a multiple of 256)")
         _expect("w4a8", "sc and m", sm, (torch.uint8,), (p, g, 2 * PANEL))
         _expect("w4a8", "d and dmin", dd, (torch.float16,), (p, g // 8, 2 * PANEL))
         if high is not None:
@@ -201,30 +213,21 @@ class W4A8:
         y = torch.empty(m, p * PANEL, dtype=out_dtype)
         rc = self._fn_k(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), sm.data_ptr(),
                         dd.data_ptr(), None if high is None else high.data_ptr(), p * PANEL, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
-        if rc:
-            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        self._failed(rc)
         return y
 
     def linear40(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's), no bias: GGUF's Q4_0
         in its own numbers, w = (q - 8) d with d [N / 16, G, 16] float16 (pack()'s panels, 4.5 bits a weight)."""
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        x = x.contiguous()
+        x, p, g = self._checked(x, codes, " (Q4_0)")
         m, k = x.shape
-        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
-        p, g, _ = codes.shape
-        if k != g * GROUP:
-            raise ValueError(f"w4a8 (Q4_0): input has {k} features, the weights {g * GROUP}")
         _expect("w4a8", "d", d, (torch.float16,), (p, g, PANEL))
         out_dtype = out_dtype or x.dtype
         y = torch.empty(m, p * PANEL, dtype=out_dtype)
         rc = self._fn_40(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), d.data_ptr(), p * PANEL,
                          y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
-        if rc:
-            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        self._failed(rc)
         return y
 
     @staticmethod
@@ -245,15 +248,8 @@ class W4A8:
         """x [M, K] (bfloat16 or float32, CPU) -> [M, N] in `out_dtype` (default x's dtype), no bias
         (quant.Int4Linear adds its own). The weights are pack()'s output, bfloat16 scales and zeros
         (w = (q - 8) s + z) or float32 ones (w = q s + z)."""
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"w4a8 wants a 2-D bfloat16 or float32 CPU input, got {tuple(x.shape)} "
-                             f"{x.dtype} on {x.device}")
-        x = x.contiguous()
+        x, p, g = self._checked(x, codes, "")
         m, k = x.shape
-        _expect("w4a8", "codes", codes, (torch.uint8,), (None, None, 4 * PANEL * 4))
-        p, g, _ = codes.shape
-        if k != g * GROUP:
-            raise ValueError(f"w4a8: input has {k} features, the weights {g * GROUP}")
         _expect("w4a8", "scale", scale, (torch.bfloat16, torch.float32), (p, g, PANEL))
         _expect("w4a8", "zero", zero, (torch.bfloat16, torch.float32), (p, g, PANEL))
         if zero.dtype != scale.dtype:
@@ -265,8 +261,7 @@ class W4A8:
         fn = self._fn_f32 if scale.dtype == torch.float32 else self._fn
         rc = fn(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(), scale.data_ptr(),
                 zero.data_ptr(), n, y.data_ptr(), int(out_dtype == torch.bfloat16), _threads())
-        if rc:
-            raise RuntimeError(f"w4a8 kernel failed (code {rc}: {'bad shapes' if rc == 1 else 'out of memory'})")
+        self._failed(rc)
         return y
 
 

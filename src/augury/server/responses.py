@@ -33,10 +33,9 @@ from augury.server.errors import APIError, bad_request
 from augury.server.fields import refuse
 from augury.server.ops import request_id
 from augury.server.protocol import ChatCompletionRequest, _Request
-from augury.server.streams import sse_json
 from augury.server.serving import ServerState, admit, chat_job
 from augury.server.responses_items import OutputBuilder
-from augury.server.streams import GroupStreamingResponse, collect, usage
+from augury.server.streams import GroupStreamingResponse, collect, sse_json, usage
 from augury.server.streams import _failure as failure, _Observer as Observer  # chat's own, shared
 
 # field -> the values that ask for nothing; anything else is a 400 naming it (fields.refuse)
