@@ -50,11 +50,11 @@ def workload_histories(tokenizer, kind: str, count: int, seed: int = 0) -> list[
     earlier requests leave in the prefix cache. Empty for a one-message prompt (summarise, extract)."""
     out = []
     for msgs in workload_messages(kind, count, seed):
-        full = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                                add_special_tokens=False)
         if len([m for m in msgs if m["role"] != "system"]) < 2:
             out.append([])
             continue
+        full = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
         before = tokenizer.encode(tokenizer.apply_chat_template(msgs[:-1], tokenize=False), add_special_tokens=False)
         n = 0
         while n < min(len(full), len(before)) and full[n] == before[n]:
