@@ -103,6 +103,20 @@ inline uint8_t *panel_buffer(size_t bytes) {
     }
     return buf.p;
 }
+// this thread's buffer for a tile's activations packed (w8a8.h's pack8), kept as panel_buffer's
+inline uint8_t *pack_buffer(size_t bytes) {
+    thread_local struct Buffer {
+        uint8_t *p = nullptr;
+        size_t n = 0;
+        ~Buffer() { std::free(p); }
+    } buf;
+    if (buf.n < bytes) {
+        std::free(buf.p);
+        buf.p = static_cast<uint8_t *>(std::malloc(bytes));
+        buf.n = buf.p ? bytes : 0;
+    }
+    return buf.p;
+}
 constexpr int64_t BUF_GROUP_BYTES = 512;  // a group's rebuilt codes: per block b, its low plane then its high
 
 // Three storages of the scales and zeros (S the scales' element type, Z the zeros'), one kernel:

@@ -130,6 +130,65 @@ inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, in
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
 }
+
+// A block of 8 rows' activations packed for panel6_packed (pack8): per group PACK8_BYTES, the rows'
+// four xq bytes of block b at 32 b + 4 r, then per row -32 xlo (int32, at 256), -32 (xsum - xlo) (at
+// 288) and dx (float32, at 320). The panel then reads every row's operand at a constant offset from
+// one pointer: with a pointer and the scalar sums per row, GCC spilled the pointers and spent more of
+// the group on them than on its 64 vpdpbusd.
+constexpr int64_t PACK8_BYTES = 352;
+
+inline void pack8(const Rounded &a, int64_t m0, int64_t G, uint8_t *dst) {
+    const int64_t K = a.K, Gp = a.Gp;
+    for (int64_t g = 0; g < G; g++) {
+        uint8_t *d = dst + g * PACK8_BYTES;
+        for (int r = 0; r < 8; r++) {
+            const int64_t row = m0 + r;
+            for (int b = 0; b < 8; b++) std::memcpy(d + 32 * b + 4 * r, a.xq + row * K + g * GROUP + 4 * b, 4);
+            const int32_t lo = a.xlo[row * Gp + g], n0 = -32 * lo, n1 = -32 * (a.xsum[row * Gp + g] - lo);
+            std::memcpy(d + 256 + 4 * r, &n0, 4);
+            std::memcpy(d + 288 + 4 * r, &n1, 4);
+            std::memcpy(d + 320 + 4 * r, a.dx + row * Gp + g, 4);
+        }
+    }
+}
+
+// panel6<8, true>'s operations in its order (the same bits) from pack8's layout
+inline void panel6_packed(const uint8_t *wide, const uint16_t *pd, const int8_t *psub, int64_t G,
+                          const uint8_t *pk, float *out) {
+    __m512 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *blk = wide + g * 512;
+        const uint8_t *x = pk + g * PACK8_BYTES;
+        __m512i dot[8];
+        for (int half = 0; half < 2; half++) {
+            __m512i ih[8];
+            for (int r = 0; r < 8; r++)
+                ih[r] = _mm512_set1_epi32(load_i32(reinterpret_cast<const int8_t *>(x + 256 + 32 * half + 4 * r)));
+            for (int b = 4 * half; b < 4 * half + 4; b++) {
+                const __m512i q = _mm512_loadu_si512(blk + 64 * b);  // 0..63
+                for (int r = 0; r < 8; r++)
+                    ih[r] = _mm512_dpbusd_epi32(ih[r], q,
+                                                _mm512_set1_epi32(load_i32(reinterpret_cast<const int8_t *>(x + 32 * b + 4 * r))));
+            }
+            const __m512i sub = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i *>(psub + g * SUB_BYTES + 16 * half)));
+            for (int r = 0; r < 8; r++) {
+                const __m512i t = _mm512_mullo_epi32(ih[r], sub);
+                dot[r] = half ? _mm512_add_epi32(dot[r], t) : t;
+            }
+        }
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(pd + g / 8 * PANEL)));
+        for (int r = 0; r < 8; r++) {
+            float dxr;
+            std::memcpy(&dxr, x + 320 + 4 * r, 4);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(sv, _mm512_set1_ps(dxr)), acc[r]);
+        }
+    }
+    for (int r = 0; r < 8; r++) _mm512_storeu_ps(out + r * PANEL, acc[r]);
+}
+#define AUGURY_PACK8 1
 #else
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define AUGURY_VNNI256 1
@@ -353,18 +412,34 @@ inline void columns6(const Rounded &a, int64_t M, const uint8_t *codes, const ui
         const int64_t t1 = t0 + ROW_TILE < M ? t0 + ROW_TILE : M;
         // a tile of more than one row block rebuilds each panel's codes once, into 512 bytes a group
         uint8_t *wide = t1 - t0 > ROW_BLOCK_MAX ? panel_buffer(static_cast<size_t>(G) * 512) : nullptr;
+#ifdef AUGURY_PACK8
+        // the tile's blocks of 8 rows packed for panel6_packed, by each thread for itself
+        uint8_t *packed = wide ? pack_buffer(static_cast<size_t>((t1 - t0) / 8 * G * PACK8_BYTES)) : nullptr;
+        if (packed)
+            for (int64_t m0 = t0, r, i = 0; m0 < t1; m0 += r) {
+                r = block_rows(t1 - m0);
+                if (r == 8) pack8(a, m0, G, packed + (i++) * G * PACK8_BYTES);
+            }
+#endif
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *pc = codes + p * G * W6_PANEL_BYTES;
             const uint16_t *pd = d + p * (G / 8) * PANEL;
             const int8_t *psub = sub + p * G * SUB_BYTES;
             if (wide) rebuild6(pc, G, wide);
-            for (int64_t m0 = t0, r; m0 < t1; m0 += r) {
+            for (int64_t m0 = t0, r, i = 0; m0 < t1; m0 += r) {
                 r = block_rows(t1 - m0);
                 float out[ROW_BLOCK_MAX * PANEL];
                 const int8_t *xr = a.xq + m0 * K;
                 const float *dr = a.dx + m0 * Gp;
                 const int32_t *ir = a.xsum + m0 * Gp, *il = a.xlo + m0 * Gp;
+#ifdef AUGURY_PACK8
+                if (wide && packed && r == 8) {
+                    panel6_packed(wide, pd, psub, G, packed + (i++) * G * PACK8_BYTES, out);
+                    for (int64_t j = 0; j < r; j++) store.row16(m0 + j, p * PANEL, out + j * PANEL);
+                    continue;
+                }
+#endif
                 if (wide) {
                     switch (r) {
 #define AUGURY_ROWS(n) \
