@@ -135,7 +135,9 @@ inline void panel6(const uint8_t *pc, const uint16_t *pd, const int8_t *psub, in
 // four xq bytes of block b at 32 b + 4 r, then per row -32 xlo (int32, at 256), -32 (xsum - xlo) (at
 // 288) and dx (float32, at 320). The panel then reads every row's operand at a constant offset from
 // one pointer: with a pointer and the scalar sums per row, GCC spilled the pointers and spent more of
-// the group on them than on its 64 vpdpbusd.
+// the group on them than on its 64 vpdpbusd. (w4a8.h's panels of 8 rows, packed the same way, ran no
+// faster: Q4_K 13.5 ms either way at 512 x 2,048 -> 8,192, 2 threads, Zen 5; the demo's int4 16-row
+// step 2.91x a decode step against 2.96x.)
 constexpr int64_t PACK8_BYTES = 352;
 
 inline void pack8(const Rounded &a, int64_t m0, int64_t G, uint8_t *dst) {
