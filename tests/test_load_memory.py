@@ -23,7 +23,10 @@ from augury.models.gguf import convert_gguf_to_hf
 
 QT = gguf.GGMLQuantizationType
 H, LAYERS, FFN, HEADS, KV_HEADS, VOCAB = 1024, 4, 4096, 16, 4, 8192
-SLACK_MB = 32  # the allocator's and the loader's own small change
+# the allocator's and the loader's own small change: the same code's growth over 1.2x the weights
+# (47.2 MB here) measured 25.2-32.4 MB across runs on a Zen 5 VM (32.4 failed a CI run at 32),
+# while a dense copy of these weights would add over 78 MB (weights < 0.5x dense, asserted below)
+SLACK_MB = 40
 
 CHILD = r"""
 import json, sys
