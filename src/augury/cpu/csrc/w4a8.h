@@ -87,10 +87,9 @@ constexpr int PANEL_BYTES = 256;  // codes per panel and group
 
 using augury::prefetch_next;  // simd.h
 
-// this thread's buffer for one panel's codes rebuilt as bytes (rebuild5, w8a8.h's columns6), kept
-// between calls: null when out of memory (the caller then rebuilds the codes per row block, as for a
-// few rows)
-inline uint8_t *panel_buffer(size_t bytes) {
+// a buffer of this thread's, one per Tag, kept between calls and grown as asked: null when out of memory
+template <int Tag>
+inline uint8_t *thread_buffer(size_t bytes) {
     thread_local struct Buffer {
         uint8_t *p = nullptr;
         size_t n = 0;
@@ -103,20 +102,11 @@ inline uint8_t *panel_buffer(size_t bytes) {
     }
     return buf.p;
 }
-// this thread's buffer for a tile's activations packed (w8a8.h's pack8), kept as panel_buffer's
-inline uint8_t *pack_buffer(size_t bytes) {
-    thread_local struct Buffer {
-        uint8_t *p = nullptr;
-        size_t n = 0;
-        ~Buffer() { std::free(p); }
-    } buf;
-    if (buf.n < bytes) {
-        std::free(buf.p);
-        buf.p = static_cast<uint8_t *>(std::malloc(bytes));
-        buf.n = buf.p ? bytes : 0;
-    }
-    return buf.p;
-}
+// one panel's codes rebuilt as bytes (rebuild5, w8a8.h's columns6); null: the caller rebuilds the codes
+// per row block, as for a few rows
+inline uint8_t *panel_buffer(size_t bytes) { return thread_buffer<0>(bytes); }
+// a tile's activations packed (w8a8.h's pack8); null: the rows are read as they lie
+inline uint8_t *pack_buffer(size_t bytes) { return thread_buffer<1>(bytes); }
 constexpr int64_t BUF_GROUP_BYTES = 512;  // a group's rebuilt codes: per block b, its low plane then its high
 
 // Three storages of the scales and zeros (S the scales' element type, Z the zeros'), one kernel:
