@@ -248,31 +248,38 @@ inline __m512 load16kv(const void *p, int kv, int64_t i) {
 }
 
 // pv_pass256's numbers 16 lanes at a time: C chunks of 32 dimensions (a 64-byte bfloat16 row part
-// widened by the same in-lane interleave: pv_dim with 16 lanes)
-template <int H, int C>
-__attribute__((noinline)) void pv_pass512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd,
+// widened by the same in-lane interleave: pv_dim with 16 lanes). The key format is a template
+// argument: with its test inside the key loop GCC kept every sum in memory as well, storing all
+// 2 H C of them after each key (H 3, C 2 on the Zen 5 VM: the pass took 1.5x the time it takes now).
+template <int H, int C, int KV>
+__attribute__((noinline)) void pv_pass512k(const void *vc, int64_t nkv, int64_t g, int64_t hd,
                                           const int64_t *sl, int64_t n, const float *scores, int64_t d0,
                                           const float *inv, float *o) {
     __m512 acc[H][C][2];
+#pragma GCC unroll 16
     for (int h = 0; h < H; h++)
+#pragma GCC unroll 16
         for (int c = 0; c < C; c++) acc[h][c][0] = acc[h][c][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
         const int64_t base = (sl[j] * nkv + g) * hd + d0;
         __m512 pv[H];
+#pragma GCC unroll 16
         for (int h = 0; h < H; h++) pv[h] = _mm512_set1_ps(scores[h * n + j]);
+#pragma GCC unroll 16
         for (int c = 0; c < C; c++) {
             __m512 lo, hi;
-            if (kv == KV_BF16) {
+            if (KV == KV_BF16) {
                 const __m512i v = _mm512_loadu_si512(static_cast<const uint16_t *>(vc) + base + 32 * c);
                 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v));
                 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v));
-            } else if (kv == KV_FP8) {
-                lo = load16kv(vc, kv, base + 32 * c);
-                hi = load16kv(vc, kv, base + 32 * c + 16);
+            } else if (KV == KV_FP8) {
+                lo = load16kv(vc, KV, base + 32 * c);
+                hi = load16kv(vc, KV, base + 32 * c + 16);
             } else {
                 lo = _mm512_loadu_ps(static_cast<const float *>(vc) + base + 32 * c);
                 hi = _mm512_loadu_ps(static_cast<const float *>(vc) + base + 32 * c + 16);
             }
+#pragma GCC unroll 16
             for (int h = 0; h < H; h++) {
                 acc[h][c][0] = _mm512_fmadd_ps(pv[h], lo, acc[h][c][0]);
                 acc[h][c][1] = _mm512_fmadd_ps(pv[h], hi, acc[h][c][1]);
@@ -284,8 +291,16 @@ __attribute__((noinline)) void pv_pass512(const void *vc, int kv, int64_t nkv, i
             for (int half = 0; half < 2; half++) {
                 alignas(64) float t[16];
                 _mm512_store_ps(t, _mm512_mul_ps(acc[h][c][half], _mm512_set1_ps(inv[h])));
-                for (int i = 0; i < 16; i++) o[h * hd + d0 + 32 * c + pv_dim(kv == KV_BF16, 16, half, i)] = t[i];
+                for (int i = 0; i < 16; i++) o[h * hd + d0 + 32 * c + pv_dim(KV == KV_BF16, 16, half, i)] = t[i];
             }
+}
+
+template <int H, int C>
+inline void pv_pass512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
+                       const float *scores, int64_t d0, const float *inv, float *o) {
+    if (kv == KV_BF16) pv_pass512k<H, C, KV_BF16>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    else if (kv == KV_FP8) pv_pass512k<H, C, KV_FP8>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    else pv_pass512k<H, C, KV_F32>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
 }
 
 // pv_pass512 over all hd dimensions (hd % 16 == 0): passes of up to 4 x 32 (hd 128 in one: 24 of the
@@ -312,34 +327,103 @@ inline void pv_sums512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t h
     }
 }
 
-// attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16 when known (0: hd / 16)
+// [hsum(fold a), hsum(fold b), hsum(fold c), hsum(fold d)] where fold s = s's low 8 lanes + its high 8:
+// the same additions as fold then hsum4, lane for lane, with the four keys side by side in one register
+// (14 instructions instead of 22)
+inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // [fold a | fold b], [fold c | fold d]
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    // per 128-bit lane k (key k): w = fold's low 4 + its high 4
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    // [w0 + w2, w1 + w3, ..], then element 0: (w0 + w2) + (w1 + w3)
+    const __m512 x = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y));
+}
+
+// score_keys' numbers for attend_heads512 (H heads' scaled queries qz [H][NC] in 16-lane chunks; key j's
+// A + B per head are the low and high halves of one 16-lane chain): a function of its own per key
+// format, four keys a step, their sums in registers and reduced side by side (hsum4x16). Before
+// (score_keys with the format tested per key, a 256-bit fold then hsum4) the scores took ~1.3x the time.
+template <int H, int NC, int KV>
+__attribute__((noinline)) void score512(const __m512 *qz, const void *kc, const void *vc, int64_t nkv, int64_t g,
+                                        int64_t hd, const int64_t *sl, int64_t n, float *scores, float *m) {
+    __m512 q[H][NC];
+#pragma GCC unroll 16
+    for (int h = 0; h < H; h++)
+#pragma GCC unroll 32
+        for (int c = 0; c < NC; c++) q[h][c] = qz[h * NC + c];
+    __m128 m4[H];
+#pragma GCC unroll 16
+    for (int h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        m4[h] = _mm_set1_ps(-INFINITY);
+    }
+    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j]);
+    auto key = [&](int64_t j, __m512 *s) {
+        const int64_t base = (sl[j] * nkv + g) * hd;
+#pragma GCC unroll 16
+        for (int h = 0; h < H; h++) s[h] = _mm512_setzero_ps();
+#pragma GCC unroll 32
+        for (int c = 0; c < NC; c++) {
+            const __m512 k = load16kv(kc, KV, base + 16 * c);
+#pragma GCC unroll 16
+            for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(q[h][c], k, s[h]);
+        }
+    };
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        if (j + KV_AHEAD + 4 <= n)
+            for (int u = 0; u < 4; u++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
+        else
+            for (int u = 0; u < 4; u++)
+                if (j + KV_AHEAD + u < n) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
+        __m512 v0[H], v1[H], v2[H], v3[H];
+        key(j, v0);
+        key(j + 1, v1);
+        key(j + 2, v2);
+        key(j + 3, v3);
+#pragma GCC unroll 16
+        for (int h = 0; h < H; h++) {
+            const __m128 x = hsum4x16(v0[h], v1[h], v2[h], v3[h]);
+            _mm_storeu_ps(scores + h * n + j, x);
+            m4[h] = _mm_max_ps(x, m4[h]);  // maxps returns its second operand for a NaN
+        }
+    }
+    for (; j < n; j++) {
+        __m512 v[H];
+        key(j, v);
+        for (int h = 0; h < H; h++) {
+            const float x = hsum(_mm256_add_ps(_mm512_castps512_ps256(v[h]),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[h]), 1))));
+            scores[h * n + j] = x;
+            m[h] = x > m[h] ? x : m[h];
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const float x = hmax4(m4[h]);
+        m[h] = x > m[h] ? x : m[h];
+    }
+}
+
+// attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16
 template <int H, int NC>
 inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
                             const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
                             float scale, void *out, bool out_bf16, float *scores) {
-    const int64_t nc = NC ? NC : hd / 16;
-    constexpr int CAP = NC ? NC : 32;  // hd <= 512
-    __m512 qz[H][CAP];
+    __m512 qz[H * NC];
     for (int h = 0; h < H; h++)
-        for (int64_t c = 0; c < nc; c++)
-            qz[h][c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
-    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j]);
-    // key j's A + B per head: the low and high halves of one 16-lane chain
-    auto lanes = [&](int64_t j, __m256 *v) {
-        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j + KV_AHEAD]);
-        const int64_t base = (sl[j] * nkv + g) * hd;
-        __m512 s[H];
-        for (int h = 0; h < H; h++) s[h] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nc; c++) {
-            const __m512 k = load16kv(kc, kv, base + 16 * c);
-            for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(qz[h][c], k, s[h]);
-        }
-        for (int h = 0; h < H; h++)
-            v[h] = _mm256_add_ps(_mm512_castps512_ps256(s[h]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[h]), 1)));
-    };
+        for (int64_t c = 0; c < NC; c++)
+            qz[h * NC + c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
     float m[H];
-    score_keys<H>(lanes, n, scores, m);
+    if (kv == KV_BF16) score512<H, NC, KV_BF16>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
+    else if (kv == KV_FP8) score512<H, NC, KV_FP8>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
+    else score512<H, NC, KV_F32>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
@@ -355,7 +439,8 @@ inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int6
 #if defined(__AVX512F__)
     if (hd == 64) return attend_heads512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
     if (hd == 128) return attend_heads512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd % 16 == 0) return attend_heads512<H, 0>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd == 32) return attend_heads512<H, 2>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
+    if (hd == 96) return attend_heads512<H, 6>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
 #endif
     attend_heads256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
 }
