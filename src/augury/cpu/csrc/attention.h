@@ -134,23 +134,23 @@ inline int pv_dim(bool bf16, int lanes, int half, int i) {  // the dimension (wi
     return bf16 ? 8 * (i / 4) + 4 * half + i % 4 : lanes * half + i;
 }
 
-template <int H>
-__attribute__((noinline)) void pv_pass256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd,
-                                          const int64_t *sl, int64_t n, const float *scores, int64_t d0,
-                                          const float *inv, float *o) {
+template <int H, int KV>
+__attribute__((noinline)) void pv_pass256k(const void *vc, int64_t nkv, int64_t g, int64_t hd,
+                                           const int64_t *sl, int64_t n, const float *scores, int64_t d0,
+                                           const float *inv, float *o) {
     __m256 acc[H][2];
     for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
         const int64_t base = (sl[j] * nkv + g) * hd + d0;
         __m256 lo, hi;
-        if (kv == KV_BF16) {
+        if (KV == KV_BF16) {
             const __m256i v =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(vc) + base));
             lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
             hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
-        } else if (kv == KV_FP8) {
-            lo = load8kv(vc, kv, base);
-            hi = load8kv(vc, kv, base + 8);
+        } else if (KV == KV_FP8) {
+            lo = load8kv(vc, KV, base);
+            hi = load8kv(vc, KV, base + 8);
         } else {
             lo = _mm256_loadu_ps(static_cast<const float *>(vc) + base);
             hi = _mm256_loadu_ps(static_cast<const float *>(vc) + base + 8);
@@ -165,8 +165,16 @@ __attribute__((noinline)) void pv_pass256(const void *vc, int kv, int64_t nkv, i
         for (int half = 0; half < 2; half++) {
             alignas(32) float t[8];
             _mm256_store_ps(t, _mm256_mul_ps(acc[h][half], _mm256_set1_ps(inv[h])));
-            for (int i = 0; i < 8; i++) o[h * hd + d0 + pv_dim(kv == KV_BF16, 8, half, i)] = t[i];
+            for (int i = 0; i < 8; i++) o[h * hd + d0 + pv_dim(KV == KV_BF16, 8, half, i)] = t[i];
         }
+}
+
+template <int H>
+inline void pv_pass256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
+                       const float *scores, int64_t d0, const float *inv, float *o) {
+    if (kv == KV_BF16) pv_pass256k<H, KV_BF16>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    else if (kv == KV_FP8) pv_pass256k<H, KV_FP8>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    else pv_pass256k<H, KV_F32>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
 }
 
 // pv_pass256 over all hd dimensions (hd % 8 == 0), 16 at a time (one pass per 16: more sums at once
@@ -188,6 +196,32 @@ inline void pv_sums256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t h
     }
 }
 
+// score_keys for attend_heads256 (qv [H][64]: H heads' scaled queries, 8 lanes a vector), a function of
+// its own per key format (with the format tested per key the scores took ~1.3x the time)
+template <int H, int KV>
+__attribute__((noinline)) void score256(const __m256 *qv, const void *kc, const void *vc, int64_t nkv, int64_t g,
+                                        int64_t hd, const int64_t *sl, int64_t n, float *scores, float *m) {
+    const int64_t nv = hd / 8;
+    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j]);
+    // key j's A + B per head (its score is their hsum)
+    auto lanes = [&](int64_t j, __m256 *v) {
+        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD]);
+        const int64_t base = (sl[j] * nkv + g) * hd;
+        __m256 a[H], b[H];
+        for (int h = 0; h < H; h++) a[h] = b[h] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < nv; i += 2) {
+            const __m256 k = load8kv(kc, KV, base + 8 * i);
+            for (int h = 0; h < H; h++) a[h] = _mm256_fmadd_ps(qv[h * 64 + i], k, a[h]);
+            if (i + 1 < nv) {
+                const __m256 k1 = load8kv(kc, KV, base + 8 * i + 8);
+                for (int h = 0; h < H; h++) b[h] = _mm256_fmadd_ps(qv[h * 64 + i + 1], k1, b[h]);
+            }
+        }
+        for (int h = 0; h < H; h++) v[h] = _mm256_add_ps(a[h], b[h]);
+    };
+    score_keys<H>(lanes, n, scores, m);
+}
+
 // Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
 // and value is loaded once for the H heads. Per head, in this fixed order on every ISA level: q scaled
 // (q * scale per element); each score s_j = hsum(A + B), where A and B are 8-lane FMA chains over the
@@ -203,25 +237,10 @@ inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, i
     for (int h = 0; h < H; h++)
         for (int64_t i = 0; i < nv; i++)
             qv[h][i] = _mm256_mul_ps(load8(q, q_bf16, (r * nh + h0 + h) * hd + 8 * i), _mm256_set1_ps(scale));
-    for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j]);
-    // key j's A + B per head (its score is their hsum)
-    auto lanes = [&](int64_t j, __m256 *v) {
-        if (j + KV_AHEAD < n) prefetch_kv(kc, vc, kv, nkv, g, hd, sl[j + KV_AHEAD]);
-        const int64_t base = (sl[j] * nkv + g) * hd;
-        __m256 a[H], b[H];
-        for (int h = 0; h < H; h++) a[h] = b[h] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nv; i += 2) {
-            const __m256 k = load8kv(kc, kv, base + 8 * i);
-            for (int h = 0; h < H; h++) a[h] = _mm256_fmadd_ps(qv[h][i], k, a[h]);
-            if (i + 1 < nv) {
-                const __m256 k1 = load8kv(kc, kv, base + 8 * i + 8);
-                for (int h = 0; h < H; h++) b[h] = _mm256_fmadd_ps(qv[h][i + 1], k1, b[h]);
-            }
-        }
-        for (int h = 0; h < H; h++) v[h] = _mm256_add_ps(a[h], b[h]);
-    };
     float m[H];
-    score_keys<H>(lanes, n, scores, m);
+    if (kv == KV_BF16) score256<H, KV_BF16>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
+    else if (kv == KV_FP8) score256<H, KV_FP8>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
+    else score256<H, KV_F32>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
