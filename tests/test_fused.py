@@ -124,7 +124,8 @@ def test_a_failed_cpu_kernels_stage_warns_and_runs_torch(tiny_checkpoint, monkey
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_short_prompt_prefills_on_kernel_rows_with_the_bits_of_decoding_it(family, tiny_checkpoint, monkeypatch,
                                                                              count_fused) -> None:
-    """A lone prompt chunk ending within PREFILL_ROWS_MAX positions is exact rows on augury's attention
+    """A lone prompt chunk ending within PREFILL_ROWS_MAX positions, or of at most PREFILL_CHUNK_ROWS
+    tokens, within PREFILL_SLOTS_MAX slots, is exact rows on augury's attention
     kernel (through the fused stack, untimed): every token's hidden state and cached key and value are
     bit for bit what decoding the prompt one token at a time gives, and what prefilling it in two chunks
     gives. A longer chunk, or a batch of prompts of different lengths, takes torch's attention."""
@@ -164,8 +165,14 @@ def test_a_short_prompt_prefills_on_kernel_rows_with_the_bits_of_decoding_it(fam
         assert torch.equal(a, b)
     assert not backend.prepare_prefill([tables[0], tables[1]], [0, 0], [n, n - 1]).kernel_calls  # lengths differ
     monkeypatch.setattr(paged, "PREFILL_ROWS_MAX", n - 1)
-    assert not backend.prepare_prefill([tables[0]], [0], [n]).kernel_calls  # past the bound
+    assert backend.prepare_prefill([tables[0]], [0], [n]).kernel_calls  # a short chunk still
+    monkeypatch.setattr(paged, "PREFILL_CHUNK_ROWS", n - 1)
+    assert not backend.prepare_prefill([tables[0]], [0], [n]).kernel_calls  # past both bounds
     assert backend.prepare_prefill([tables[0]], [0], [n - 1]).kernel_calls
+    assert backend.prepare_prefill([tables[0]], [n - 2], [2]).kernel_calls  # a short chunk after context
+    monkeypatch.setattr(paged, "PREFILL_CHUNK_ROWS", n)
+    monkeypatch.setattr(paged, "PREFILL_SLOTS_MAX", n * n - 1)
+    assert not backend.prepare_prefill([tables[0]], [0], [n]).kernel_calls  # past the slot table's bound
 
 
 @needs_kernels

@@ -33,15 +33,23 @@ WIDTH_FREE_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_CALL_SLOTS = 1 << 16
 # without merge_widths, past this many distinct padded widths a batch takes the masked call
 MAX_EXACT_GROUPS = 16
-# Prompt chunks that end within this many positions (context included; every request's chunk as long:
-# a lone prompt) are exact rows on augury's attention kernel, row j reading its request's positions
-# 0 .. ctx + j: through the fused stack, a prompt's forward is one call and its every token's numbers
-# are the ones decoding it would give (no batch- or chunk-dependent blocking). Longer chunks take
-# torch's attention, whose blocked kernel wins there. The demo's prefill time in the engine (AVX-512
-# EPYC, 2 threads, two processes a side alternating, 4 passes each), rows vs the layers: 8 JSON prompts
-# of ~225 tokens 0.94-1.15 vs 1.24-1.66 s (kernels forced to avx2: 1.67-2.66 vs 1.88-2.08 s), 4 prompts
-# of 500 tokens 1.23-1.29 vs 1.43-1.56 s, of 800 2.34-2.43 vs 2.36-2.76 s, of 1,500 6.2-7.2 vs 5.5-5.9 s.
-PREFILL_ROWS_MAX = 512
+# Prompt chunks that end within PREFILL_ROWS_MAX positions (context included; every request's chunk as
+# long: a lone prompt), and chunks of at most PREFILL_CHUNK_ROWS tokens after any context (a
+# conversation's new turn over its cached history), are exact rows on augury's attention kernel, row j
+# reading its request's positions 0 .. ctx + j: through the fused stack, a prompt's forward is one call and
+# its every token's numbers are the ones decoding it would give (no batch- or chunk-dependent blocking).
+# Other chunks take torch's attention layer by layer. The demo's prefill in the engine (Zen 5 EPYC VM,
+# 2 threads, the two paths alternating in one process, medians of 4-6; context + chunk tokens: kernel
+# rows' time over the layers'): at avx512_bf16 0 + 800 0.75x, 0 + 1,500 0.74x, 0 + 2,048 0.74x,
+# 496 + 64 0.64x, 1,504 + 96 0.65x, 1,504 + 256 0.72x, 2,048 + 2,048 0.59x, 4,096 + 512 0.94x,
+# 6,144 + 64 0.34x; with the kernels and torch at avx2 0 + 800 0.93x, 0 + 1,500 0.97x, 0 + 2,048
+# 1.00x, 1,504 + 96 0.87x, 4,096 + 128 1.03x, and 0.89-1.38x for chunks of 512-2,048 after 2,048-4,096
+# (noisy), so those keep the layer path. (Before the attention kernel's scores and sums were rewritten,
+# the layer path won from ~1,000 tokens on the first AVX-512 EPYC.) PREFILL_SLOTS_MAX bounds the
+# rows' slot table (rows x positions, int64).
+PREFILL_ROWS_MAX = 2048
+PREFILL_CHUNK_ROWS = 256
+PREFILL_SLOTS_MAX = 1 << 23
 
 
 def _align(n: int) -> int:
@@ -422,7 +430,9 @@ class PagedBackend:
     def prepare_prefill(self, block_tables: list[list[int]], ctx_lens: list[int],
                         q_lens: list[int]) -> StepAttention:
         q = max(q_lens)
-        if q > 1 and min(q_lens) == q and max(ctx_lens) + q <= PREFILL_ROWS_MAX and self.device.type == "cpu" \
+        span = max(ctx_lens) + q
+        if q > 1 and min(q_lens) == q and (span <= PREFILL_ROWS_MAX or q <= PREFILL_CHUNK_ROWS) \
+                and len(q_lens) * q * span <= PREFILL_SLOTS_MAX and self.device.type == "cpu" \
                 and _attention_kernel(self.k_cache) is not None:
             return self._prompt_rows(block_tables, ctx_lens, q)
         parents = torch.full((len(q_lens), 1), -1) if q == 1 else None  # one-token chunks are decode steps
@@ -454,7 +464,8 @@ class PagedBackend:
         return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
 
     def _prompt_rows(self, block_tables: list[list[int]], ctx_lens: list[int], q: int) -> StepAttention:
-        """Prompt chunks of q tokens each on augury's attention kernel (PREFILL_ROWS_MAX): token j of
+        """Prompt chunks of q tokens each on augury's attention kernel (PREFILL_ROWS_MAX and the others
+        above): token j of
         request b is written at position ctx_b + j and reads positions 0 .. ctx_b + j, in order (a chain's
         keys, as _tree_rows gives them, without walking paths). Untimed: a prompt's forward is too rare and
         too dear for the thread choice to explore on (cpu/threads.py)."""
