@@ -429,6 +429,33 @@ def test_free_drafts_run_where_they_pay_and_are_re_measured_where_they_do_not() 
     assert 0 < sum(allowed) and lost <= EXPLORE_SHARE * 0.015 * 3000 + MIN_SEEN * 0.030
 
 
+def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:
+    """A lone request's drafts that cost no draft model are cut to the prefix with the most expected
+    tokens per second at the measured step costs: a free step of k drafts took 3 + 1 + 0.4 k ms
+    against a plain step's 3 ms (one step stalled at 40 ms, which the fit leaves out). Every draft
+    until those steps are measured; certain drafts kept whole; a 0.11 guess not verified at all;
+    a copy that turns to a guess (0.2) cut where it does; costs measured again after a change of
+    thread count."""
+    policy = AdaptivePolicy(TREE, None)
+    guess = [0.11]
+    copy_then_guess = [1.0] * 6 + [0.2] * 10
+    assert policy.free_cut(1, guess) == 1  # nothing measured: every draft
+    teach_times(policy, 1, 0.003, {})
+    assert policy.free_cut(1, guess) == 1  # plain measured, free steps not yet
+    for i, k in enumerate([2, 16, 5, 9, 1, 12, 7, 16, 3, 8]):
+        policy.observe_free(1, 1 + k, 0.040 if i == 4 else 0.003 + 0.001 + 0.0004 * k, rows=k)
+    f, c = policy.buckets[1].row_cost(0.003)
+    assert f == pytest.approx(0.001, abs=1e-6) and c == pytest.approx(0.0004, abs=1e-7)
+    assert policy.free_cut(1, [1.0] * 16) == 16
+    assert policy.free_cut(1, guess) == 0
+    assert policy.free_cut(1, copy_then_guess) == 6
+    assert policy.free_cut(1, [1.0, 0.9, 0.81, 0.73]) == 4
+    assert StaticPolicy(TREE, None).free_cut(1, guess) == 1  # the static policy verifies them all
+    policy.costs_changed()
+    teach_times(policy, 1, 0.003, {})
+    assert policy.buckets[1].row_cost(0.003) is None and policy.free_cut(1, guess) == 1
+
+
 @pytest.mark.parametrize("told", [True, False])
 def test_a_change_of_thread_count_has_plain_decoding_measured_afresh(told) -> None:
     """Plain steps timed while the kernels still ran two threads on a core shared with a busy process

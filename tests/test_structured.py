@@ -564,3 +564,13 @@ def test_free_drafts_chain_forced_tokens_and_prompt_lookup_the_grammar_allows(pl
     assert free_drafts(sh, ids + out, 2) == chain[:2]  # the limit holds
     assert tok.decode(free_drafts(sh, ids + out, 16, lookup=False)) == "e"
     assert sh.output == out and sh.forced_tokens() == before  # left where it was
+    if want.endswith("!"):  # each draft's chance that it and all before it are accepted: a lookup's own
+        from augury.speculative.worker import free_chain  # estimates times the chance before them
+
+        def guess(tokens, most):
+            t = [tok.convert_tokens_to_ids(c) for c in "bd"][:most]
+            return t, [0.5, 0.25][: len(t)]
+
+        toks, srcs, chance = free_chain(sh, ids + out, 16, chain=guess)
+        assert tok.decode(toks[:-1]) == "ebdeq!" and chance == [1.0, 0.5, 0.25, 0.25, 0.25, 0.25, 0.25]
+        assert sh.output == out

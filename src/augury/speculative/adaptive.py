@@ -512,11 +512,32 @@ class AdaptivePolicy(Acceptance):
         free.last = bk.steps
         return True
 
+    def free_cut(self, batch_size: int, probs: Sequence[float]) -> int:
+        """How many of a lone request's drafts that cost no draft model to verify (probs: per draft, the
+        chance that it and every draft before it are accepted): the prefix with the most expected tokens
+        per second, (B + its probs' sum) / (t_0 + f + c k) for k drafts against plain decoding's B / t_0
+        (k = 0: decode plainly), at this bucket's measured step costs (Bucket.row_cost: a suffix draft
+        that follows one of five earlier occurrences, 0.2 a token, pays for its rows nowhere near as
+        often as a copy); every draft until those are measured."""
+        bk = self._bucket(batch_size)
+        t0 = bk.arm(0).seconds()
+        fit = bk.row_cost(t0) if t0 is not None else None
+        if fit is None:
+            return len(probs)
+        f, c = fit
+        best_k, best, e = 0, batch_size / t0, 0.0
+        for k, p in enumerate(probs, 1):
+            e += p
+            rate = (batch_size + e) / (t0 + f + c * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
-                     scores: Sequence[float] | None = None) -> None:
+                     scores: Sequence[float] | None = None, rows: int | None = None) -> None:
         """A step of drafts that cost no draft model: tokens emitted (the batch's, the forced and lookup
         drafts accepted); lookup: those that were suffix drafts, scores: their drafts' scores (a step
-        `free_first` chose)."""
+        `free_first` chose); rows: the drafts it verified (for free_cut's step costs)."""
         if scores is not None:
             self._learn_suffix(sum(scores), lookup)
         bk = self._bucket(batch_size)
@@ -524,3 +545,5 @@ class AdaptivePolicy(Acceptance):
         self._ran(bk, FREE, tokens, seconds)
         if timed:
             bk.arm(FREE).add(seconds, tokens - batch_size - lookup, bk.steps)
+            if rows is not None:
+                bk.free_rows.append((rows, seconds))

@@ -121,6 +121,8 @@ class Bucket:
         self.need = float("inf")  # the expected loss of the exploration due next (inf: none due)
         self.soon = float("inf")  # bucket steps until the next option or request comes due
         self.quiet: tuple | None = None  # (request ids, until which policy step, their records): _quiet
+        # timed steps of drafts that cost no draft model: (draft rows verified, seconds), for row_cost
+        self.free_rows: deque[tuple[int, float]] = deque(maxlen=2 * WINDOW)
 
     def arm(self, key: int) -> Arm:
         a = self.arms.get(key)
@@ -155,6 +157,30 @@ class Bucket:
             out.append(v)
         return out
 
+    def row_cost(self, t0: float) -> tuple[float, float] | None:
+        """(f, c): a step verifying k drafts that cost no draft model takes t0 + f + c k (t0 a plain
+        step's time; f its fixed extra, the tree's and the verification's Python; c a verified row's
+        compute), fitted by least squares to the recent timed such steps, refitted once without the
+        TRIM share of them farthest off the line (a shared machine's spikes); f and c never below 0.
+        None before MIN_SEEN of them. Where every step verified as many rows, f is 0 and c their
+        mean extra a row."""
+        pts = list(self.free_rows)
+        if len(pts) < MIN_SEEN:
+            return None
+
+        def fit(pts: list[tuple[int, float]]) -> tuple[float, float]:
+            mk = statistics.fmean(k for k, _ in pts)
+            my = statistics.fmean(s - t0 for _, s in pts)
+            var = sum((k - mk) ** 2 for k, _ in pts)
+            if var == 0.0:
+                return 0.0, max(my / max(mk, 1.0), 0.0)
+            c = max(sum((k - mk) * (s - t0 - my) for k, s in pts) / var, 0.0)
+            return max(my - c * mk, 0.0), c
+
+        f, c = fit(pts)
+        keep = sorted(pts, key=lambda p: abs(p[1] - t0 - f - c * p[0]))[: len(pts) - int(len(pts) * TRIM)]
+        return fit(keep)
+
     def remeasure(self) -> None:
         """Every step time here ran at another speed (the kernels' thread count changed): plain decoding
         is measured again before anything is decided from it, every other arm afresh when it next runs."""
@@ -166,4 +192,5 @@ class Bucket:
             if key:
                 a.refresh()
                 a.last = None  # due for the exploration rule as if never run
+        self.free_rows.clear()
         self.quiet = None

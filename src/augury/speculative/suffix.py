@@ -66,12 +66,18 @@ class Draft:
 
     def chain(self) -> list[int]:
         """The most likely path: from the root, each node's first (most likely) child."""
-        out, at = [], -1
+        return self.chain_probs()[0]
+
+    def chain_probs(self) -> tuple[list[int], list[float]]:
+        """`chain` and its nodes' probabilities (each the chance that it and every node above it are
+        accepted)."""
+        out, probs, at = [], [], -1
         for i, p in enumerate(self.parents):
             if p == at:
                 out.append(self.tokens[i])
+                probs.append(self.probs[i])
                 at = i
-        return out
+        return out, probs
 
 
 EMPTY = Draft()
@@ -327,4 +333,8 @@ class SuffixDrafter:
     def chain(self, tokens: np.ndarray, limit: int) -> list[int]:
         """The most likely path of `draft` (for steps that verify chains alone)."""
         return self.draft(tokens, limit).chain()
+
+    def chain_probs(self, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+        """`chain` and its nodes' probabilities (Draft.chain_probs)."""
+        return self.draft(tokens, limit).chain_probs()
 

@@ -232,7 +232,11 @@ class Speculator:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
             context = self._contexts.context(r) if lookup else None
-            chains.append(free_chain(r.shaper, context, limit, lookup, self._chain) if limit else ([], []))
+            toks, srcs, probs = free_chain(r.shaper, context, limit, lookup, self._chain) if limit else ([], [], [])
+            if lookup and toks and not self.warming:  # a lone request's: as many as pay for their rows
+                k = self.policy.free_cut(len(reqs), probs)
+                toks, srcs = toks[:k], srcs[:k]
+            chains.append((toks, srcs))
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
             return False
         b = len(reqs)
@@ -246,13 +250,15 @@ class Speculator:
         if not self.warming:
             self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
                                      timed=host.thread_trials() == trials,
-                                     lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores)
+                                     lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores,
+                                     rows=sum(len(c) for c, _ in chains))
         host.stats.steps_spec += 1
         return True
 
-    def _chain(self, tokens: np.ndarray, limit: int) -> list[int]:
-        """Text lookup's chain for a free-drafts step: the suffix draft's likeliest path, or prompt lookup."""
-        return self.drafter.chain(tokens, limit) if self.drafter is not None else matched_lookup(tokens, limit)
+    def _chain(self, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+        """Text lookup's chain for a free-drafts step: the suffix draft's likeliest path and its nodes'
+        probabilities, or prompt lookup (its drafts taken as certain)."""
+        return self.drafter.chain_probs(tokens, limit) if self.drafter is not None else _certain(tokens, limit)
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -420,11 +426,19 @@ def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray
     return free_chain(shaper, context, limit, lookup)[0]
 
 
-Lookup = Callable[[np.ndarray, int], list[int]]  # (tokens, most) -> the chain text lookup drafts after them
+# (tokens, most) -> the chain text lookup drafts after them, and each draft's chance that it and every
+# draft before it in the chain are accepted
+Lookup = Callable[[np.ndarray, int], tuple[list[int], list[float]]]
+
+
+def _certain(tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+    """Prompt lookup (ngram.matched_lookup) as a Lookup: no estimate of its drafts' chances, taken as 1."""
+    drafts = matched_lookup(tokens, limit)
+    return drafts, [1.0] * len(drafts)
 
 
 def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
-               lookup: bool = True, chain: Lookup | None = None) -> tuple[list[int], list[int]]:
+               lookup: bool = True, chain: Lookup | None = None) -> tuple[list[int], list[int], list[float]]:
     """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
     at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
     forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
@@ -435,16 +449,20 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
     (context unused). JSON answers repeat what they and their
     prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
     demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
-    Returns the tokens and each one's Source (FORCED or LOOKUP)."""
-    chain = chain or matched_lookup
+    Returns the tokens, each one's Source (FORCED or LOOKUP) and each one's chance that it and every
+    draft before it are accepted (a forced token's: the chance of the drafts before it; a lookup
+    draft's: theirs times the lookup's own estimate)."""
+    chain = chain or _certain
     if shaper is None or not shaper.has_grammar:
-        drafts = chain(np.asarray(context), limit) if lookup else []
-        return drafts, [Source.LOOKUP] * len(drafts)
+        drafts, probs = chain(np.asarray(context), limit) if lookup else ([], [])
+        return drafts, [Source.LOOKUP] * len(drafts), probs
     if not lookup:
         forced = shaper.forced_tokens(limit)
-        return forced, [Source.FORCED] * len(forced)
+        return forced, [Source.FORCED] * len(forced), [1.0] * len(forced)
     out: list[int] = []
     src: list[int] = []
+    chance: list[float] = []
+    sure = 1.0  # the chance that every draft so far is accepted
     try:
         while len(out) < limit:
             forced = shaper.forced_tokens(limit - len(out))
@@ -452,9 +470,10 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
                 shaper.push(t)
             out += forced
             src += [Source.FORCED] * len(forced)
+            chance += [sure] * len(forced)
             if len(out) >= limit:
                 break
-            drafts = chain(np.concatenate((context, out)) if out else np.asarray(context), limit - len(out))
+            drafts, probs = chain(np.concatenate((context, out)) if out else np.asarray(context), limit - len(out))
             if not drafts:
                 break
             n = len(drafts) + 1  # the chain under the current state: its first prefix the grammar allows
@@ -463,11 +482,14 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
                 shaper.push(t)
             out += drafts[:kept]
             src += [Source.LOOKUP] * kept
+            chance += [sure * p for p in probs[:kept]]
+            if kept:
+                sure = chance[-1]
             if kept < len(drafts):  # the earlier text went on otherwise than the grammar allows here
                 break
     finally:
         shaper.pop_all()
-    return out, src
+    return out, src, chance
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:
