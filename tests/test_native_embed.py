@@ -165,6 +165,29 @@ def test_ids_over_many_panels_take_several_chunks(root, monkeypatch) -> None:
     assert same_bits(model.embed_tokens(ids), dense_embedding(folder)[ids])
 
 
+def test_looked_up_rows_are_kept_and_the_oldest_dropped(root, monkeypatch) -> None:
+    """Rows looked up are kept (KEPT_ROWS_BYTES; 5 rows here): a kept id is not dequantised again, the
+    least recently used is dropped first, never one the lookup itself wants, and every lookup's rows
+    are the dense table's; a lookup of more distinct ids than are kept is computed whole."""
+    from augury.models.loader import load_target
+
+    folder = folder_for(root, QT.Q6_K, True)
+    emb = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")[0].embed_tokens
+    want = dense_embedding(folder)
+    computed: list[list[int]] = []
+    rows = emb._rows
+    monkeypatch.setattr(emb, "_rows", lambda ids: (computed.append(ids.tolist()), rows(ids))[1])
+    emb._most = 5
+    for ids, fresh in [([3, 40, 3], [3, 40]), ([40, 200], [200]), ([7, 8, 3], [7, 8]),
+                       ([40, 9], [9]),  # oldest first 200, 3, 7, 8, 40: 200 dropped
+                       ([3, 200], [200]),  # 3 still kept; 200 again (7 dropped)
+                       ([1, 2, 4, 5, 6, 10], [1, 2, 4, 5, 6, 10])]:  # six distinct: computed whole
+        computed.clear()
+        got = emb(torch.tensor(ids))
+        assert computed == [fresh] and same_bits(got, want[torch.tensor(ids)])
+    assert list(emb._kept) == [8, 40, 9, 3, 200]
+
+
 def test_where_the_embedding_stays_dense(root) -> None:
     """float32, no kernel-side quantisation ("none"), and a tied Q4_0 output layer the int4 kernel cannot
     take (261 rows, not whole panels: it reads the embedding) keep the dense embedding."""

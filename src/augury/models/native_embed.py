@@ -22,6 +22,7 @@ BUILD_ROWS rows at a time (`packed_table`), never a whole float32 or byte-a-code
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import numpy as np
@@ -35,6 +36,12 @@ from augury.models.fused import KernelModule
 from augury.models.quant import INT4_N_MULTIPLE, W8A8OutputLinear
 
 PANELS_AT_ONCE = 64  # panels of 16 rows dequantised at a time: float32 temporaries of 1024 rows
+# Looked-up rows kept (bfloat16, least recently used dropped first), at most this many bytes: a decode
+# step looks up one token a request and a draft level one a row, where dequantising its panel of 16
+# rows through torch's operators took ~100 us (the demo's Q8_0 table, Zen 5 VM, under cProfile: a
+# quarter of a head draft level's time), and text repeats its tokens. 8 MiB holds 7,281 of the demo's
+# rows, 1,024 of an 8B model's.
+KEPT_ROWS_BYTES = 8 << 20
 BUILD_ROWS = 4096  # rows packed at a time (a multiple of 16): one chunk's temporaries, not the table's
 
 
@@ -174,13 +181,40 @@ class PackedEmbedding(KernelModule, nn.Module):
             out[pos] = torch.index_select(values, 0, rows[pos] - a * INT4_N_MULTIPLE).to(self.dtype)
         return out
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """_rows through the kept rows (KEPT_ROWS_BYTES): the same bits, each row dequantised once while
+        it is kept. A lookup of more distinct ids than it keeps goes to _rows whole. (Set up at first use:
+        a module packed_cache.py rebuilds has its public attributes alone.)"""
+        state = self.__dict__
+        # token id -> its row of _kept_rows (oldest first); the rows [_most, embedding_dim], allocated at need
+        kept: OrderedDict[int, int] = state.setdefault("_kept", OrderedDict())
+        most = state.setdefault("_most", KEPT_ROWS_BYTES // (2 * self.embedding_dim))
+        want = ids.tolist()
+        distinct = dict.fromkeys(want)
+        if len(distinct) > most:
+            return self._rows(ids)
+        fresh = [t for t in distinct if t not in kept]
+        for t in want:  # this lookup's kept rows are the most recently used: none of them is dropped below
+            if t in kept:
+                kept.move_to_end(t)
+        if fresh:
+            rows = self._rows(torch.tensor(fresh, dtype=torch.int64))
+            if state.get("_kept_rows") is None:
+                state["_kept_rows"] = torch.empty(most, self.embedding_dim, dtype=self.dtype)
+            at = []
+            for t in fresh:
+                at.append(len(kept) if len(kept) < most else kept.popitem(last=False)[1])
+                kept[t] = at[-1]
+            self._kept_rows[torch.tensor(at, dtype=torch.int64)] = rows
+        return self._kept_rows.index_select(0, torch.tensor([kept[t] for t in want], dtype=torch.int64))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [...] -> [..., embedding_dim] bfloat16: the dense embedding's rows, bit for bit."""
         ids = input_ids.reshape(-1).long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        out = self._rows(ids.cpu()) if ids.numel() else torch.empty(0, self.embedding_dim, dtype=self.dtype)
+        out = self._lookup(ids.cpu()) if ids.numel() else torch.empty(0, self.embedding_dim, dtype=self.dtype)
         return out.to(input_ids.device).view(*input_ids.shape, self.embedding_dim)
 
     @property
