@@ -464,11 +464,10 @@ class PagedBackend:
         return self._prepare(block_tables, ctx_lens, [n] * len(ctx_lens), parents.cpu(), tree=True)
 
     def _prompt_rows(self, block_tables: list[list[int]], ctx_lens: list[int], q: int) -> StepAttention:
-        """Prompt chunks of q tokens each on augury's attention kernel (PREFILL_ROWS_MAX and the others
-        above): token j of
-        request b is written at position ctx_b + j and reads positions 0 .. ctx_b + j, in order (a chain's
-        keys, as _tree_rows gives them, without walking paths). Untimed: a prompt's forward is too rare and
-        too dear for the thread choice to explore on (cpu/threads.py)."""
+        """Prompt chunks of q tokens each on augury's attention kernel (PREFILL_ROWS_MAX and the bounds
+        beside it): token j of request b is written at position ctx_b + j and reads positions 0 .. ctx_b +
+        j, in order (a chain's keys, as _tree_rows gives them, without walking paths). Untimed: a prompt's
+        forward is too rare and too dear for the thread choice to explore on (cpu/threads.py)."""
         ctx_all = np.asarray(ctx_lens)
         req_slots = _position_slots(block_tables, ctx_lens, q, self.block_size)  # [B, span]
         req = np.repeat(np.arange(len(ctx_lens)), q)

@@ -337,4 +337,3 @@ class SuffixDrafter:
     def chain_probs(self, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
         """`chain` and its nodes' probabilities (Draft.chain_probs)."""
         return self.draft(tokens, limit).chain_probs()
-
