@@ -88,30 +88,40 @@ inline void store_out(void *out, bool out_bf16, int64_t o, const float *v, int c
 }
 
 // Each head's n scores (scores [H, n]) and their maximum m[h] (NaN scores passed over), from
-// lanes(j, v), which gives key j's 8-lane sums v[h]: s_j = hsum(v[h]), four keys' sums at a time
-// (hsum4: the same bits), the rest one by one.
-template <int H, class Lanes>
-inline void score_keys(Lanes &&lanes, int64_t n, float *scores, float *m) {
+// lanes(j, v), which gives key j's sums v[h] (V: 8 lanes, or 16 whose halves are A and B): s_j =
+// one(v[h]), four keys' at a time by four(v0, v1, v2, v3) (the same bits: hsum4, hsum4x16), the rest
+// one by one; ahead(j) before keys j .. j + 3 (the AVX-512 path's prefetches, hoisted out of its keys:
+// 0.93x the time at 3 heads of 64 against a prefetch in each key). The callers' lambdas are forced
+// inline: GCC called the AVX-512 key as a function, its sums through memory (1.7x the time).
+template <int H, class V, class Lanes, class Ahead, class Four, class One>
+inline void score_keys(Lanes &&lanes, Ahead &&ahead, Four &&four, One &&one, int64_t n, float *scores, float *m) {
     __m128 m4[H];
+#pragma GCC unroll 16
     for (int h = 0; h < H; h++) {
         m[h] = -INFINITY;
         m4[h] = _mm_set1_ps(-INFINITY);
     }
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        __m256 v[4][H];
-        for (int u = 0; u < 4; u++) lanes(j + u, v[u]);
+        ahead(j);
+        V v0[H], v1[H], v2[H], v3[H];
+        lanes(j, v0);
+        lanes(j + 1, v1);
+        lanes(j + 2, v2);
+        lanes(j + 3, v3);
+#pragma GCC unroll 16
         for (int h = 0; h < H; h++) {
-            const __m128 x = hsum4(v[0][h], v[1][h], v[2][h], v[3][h]);
+            const __m128 x = four(v0[h], v1[h], v2[h], v3[h]);
             _mm_storeu_ps(scores + h * n + j, x);
             m4[h] = _mm_max_ps(x, m4[h]);  // maxps returns its second operand for a NaN
         }
     }
     for (; j < n; j++) {
-        __m256 v[H];
+        V v[H];
+        ahead(j);
         lanes(j, v);
         for (int h = 0; h < H; h++) {
-            const float x = hsum(v[h]);
+            const float x = one(v[h]);
             scores[h * n + j] = x;
             m[h] = x > m[h] ? x : m[h];
         }
@@ -204,7 +214,7 @@ __attribute__((noinline)) void score256(const __m256 *qv, const void *kc, const 
     const int64_t nv = hd / 8;
     for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j]);
     // key j's A + B per head (its score is their hsum)
-    auto lanes = [&](int64_t j, __m256 *v) {
+    auto lanes = [&](int64_t j, __m256 *v) __attribute__((always_inline)) {
         if (j + KV_AHEAD < n) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD]);
         const int64_t base = (sl[j] * nkv + g) * hd;
         __m256 a[H], b[H];
@@ -219,7 +229,10 @@ __attribute__((noinline)) void score256(const __m256 *qv, const void *kc, const 
         }
         for (int h = 0; h < H; h++) v[h] = _mm256_add_ps(a[h], b[h]);
     };
-    score_keys<H>(lanes, n, scores, m);
+    auto four = [](__m256 a, __m256 b, __m256 c, __m256 d) __attribute__((always_inline)) {
+        return hsum4(a, b, c, d);
+    };
+    score_keys<H, __m256>(lanes, [](int64_t) {}, four, [](__m256 v) { return hsum(v); }, n, scores, m);
 }
 
 // Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
@@ -365,10 +378,12 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y));
 }
 
-// score_keys' numbers for attend_heads512 (H heads' scaled queries qz [H][NC] in 16-lane chunks; key j's
-// A + B per head are the low and high halves of one 16-lane chain): a function of its own per key
-// format, four keys a step, their sums in registers and reduced side by side (hsum4x16). Before
-// (score_keys with the format tested per key, a 256-bit fold then hsum4) the scores took ~1.3x the time.
+// score_keys for attend_heads512 (H heads' scaled queries qz [H][NC] in 16-lane chunks; key j's A + B per
+// head are the low and high halves of one 16-lane chain): a function of its own per key format, four
+// keys' sums reduced side by side (hsum4x16). Before (the format tested per key, a 256-bit fold then
+// hsum4) the scores took ~1.3x the time. Against a copy of score_keys' loop written out here, the
+// shared one took 0.83-0.91x the time at 3-4 heads of 128 and 4 of 64 a key-value head, 1.07-1.11x at
+// the demo's 3 of 64 (one thread, Zen 5 VM), where the rows bench saw no difference.
 template <int H, int NC, int KV>
 __attribute__((noinline)) void score512(const __m512 *qz, const void *kc, const void *vc, int64_t nkv, int64_t g,
                                         int64_t hd, const int64_t *sl, int64_t n, float *scores, float *m) {
@@ -377,14 +392,15 @@ __attribute__((noinline)) void score512(const __m512 *qz, const void *kc, const 
     for (int h = 0; h < H; h++)
 #pragma GCC unroll 32
         for (int c = 0; c < NC; c++) q[h][c] = qz[h * NC + c];
-    __m128 m4[H];
-#pragma GCC unroll 16
-    for (int h = 0; h < H; h++) {
-        m[h] = -INFINITY;
-        m4[h] = _mm_set1_ps(-INFINITY);
-    }
     for (int64_t j = 0; j < KV_AHEAD && j < n; j++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j]);
-    auto key = [&](int64_t j, __m512 *s) {
+    auto ahead = [&](int64_t j) __attribute__((always_inline)) {  // keys j + KV_AHEAD .. + 3, those there are
+        if (j + KV_AHEAD + 4 <= n)
+            for (int u = 0; u < 4; u++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
+        else
+            for (int u = 0; u < 4; u++)
+                if (j + KV_AHEAD + u < n) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
+    };
+    auto key = [&](int64_t j, __m512 *s) __attribute__((always_inline)) {
         const int64_t base = (sl[j] * nkv + g) * hd;
 #pragma GCC unroll 16
         for (int h = 0; h < H; h++) s[h] = _mm512_setzero_ps();
@@ -395,39 +411,14 @@ __attribute__((noinline)) void score512(const __m512 *qz, const void *kc, const 
             for (int h = 0; h < H; h++) s[h] = _mm512_fmadd_ps(q[h][c], k, s[h]);
         }
     };
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        if (j + KV_AHEAD + 4 <= n)
-            for (int u = 0; u < 4; u++) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
-        else
-            for (int u = 0; u < 4; u++)
-                if (j + KV_AHEAD + u < n) prefetch_kv(kc, vc, KV, nkv, g, hd, sl[j + KV_AHEAD + u]);
-        __m512 v0[H], v1[H], v2[H], v3[H];
-        key(j, v0);
-        key(j + 1, v1);
-        key(j + 2, v2);
-        key(j + 3, v3);
-#pragma GCC unroll 16
-        for (int h = 0; h < H; h++) {
-            const __m128 x = hsum4x16(v0[h], v1[h], v2[h], v3[h]);
-            _mm_storeu_ps(scores + h * n + j, x);
-            m4[h] = _mm_max_ps(x, m4[h]);  // maxps returns its second operand for a NaN
-        }
-    }
-    for (; j < n; j++) {
-        __m512 v[H];
-        key(j, v);
-        for (int h = 0; h < H; h++) {
-            const float x = hsum(_mm256_add_ps(_mm512_castps512_ps256(v[h]),
-                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[h]), 1))));
-            scores[h * n + j] = x;
-            m[h] = x > m[h] ? x : m[h];
-        }
-    }
-    for (int h = 0; h < H; h++) {
-        const float x = hmax4(m4[h]);
-        m[h] = x > m[h] ? x : m[h];
-    }
+    auto one = [](__m512 v) __attribute__((always_inline)) {  // fold (A + B), then hsum
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+    };
+    auto four = [](__m512 a, __m512 b, __m512 c, __m512 d) __attribute__((always_inline)) {
+        return hsum4x16(a, b, c, d);
+    };
+    score_keys<H, __m512>(key, ahead, four, one, n, scores, m);
 }
 
 // attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16
