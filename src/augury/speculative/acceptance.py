@@ -69,6 +69,10 @@ class Acceptance:
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.tail, self.tail_n = 0.0, PRIOR_WEIGHT  # lookup branch: accepted per whole row, decayed sum and count
         self.suffix_got, self.suffix_score = PRIOR_WEIGHT, PRIOR_WEIGHT  # suffix alone: accepted / score
+        # suffix drafts verified alone at batch 1, by their place in the chain (0 .. 15): accepted where
+        # every draft before was (weighted counts, each starting at one PRIOR_WEIGHT draw of rate 1)
+        self.chain_acc = [float(PRIOR_WEIGHT)] * 16
+        self.chain_off = [float(PRIOR_WEIGHT)] * 16
         self.spread = SPREAD_PRIOR  # variance of the first level's rate between requests
         self.own: weakref.WeakKeyDictionary[Request, _Own] = weakref.WeakKeyDictionary()
 
@@ -167,6 +171,27 @@ class Acceptance:
         if tail:
             self.tail = KEEP * self.tail + sum(tail)
             self.tail_n = KEEP * self.tail_n + len(tail)
+
+    def chain_chances(self, n: int) -> list[float]:
+        """The measured chance that a free chain's first 1 .. n suffix drafts are all accepted: the
+        product of each place's measured rate (the last place's beyond 16)."""
+        out, p = [], 1.0
+        for i in range(n):
+            j = min(i, len(self.chain_acc) - 1)
+            p *= self.chain_acc[j] / self.chain_off[j]
+            out.append(p)
+        return out
+
+    def learn_chain(self, places: Sequence[int], accepted: int) -> None:
+        """A free chain verified: places, the chain positions of its suffix drafts (a grammar's forced
+        tokens between them are not counted), and how many of the chain's drafts were accepted in a row:
+        each place reached counts, accepted or not; those past the first rejection were not tried."""
+        for i, at in enumerate(places):
+            if at > accepted:
+                break
+            j = min(i, len(self.chain_acc) - 1)
+            self.chain_off[j] = KEEP * self.chain_off[j] + 1.0
+            self.chain_acc[j] = KEEP * self.chain_acc[j] + (1.0 if at < accepted else 0.0)
 
     def _learn_suffix(self, score: float, got: int) -> None:
         """A step of suffix drafts verified alone: their scores' sum and the lookup drafts accepted."""

@@ -512,13 +512,26 @@ class AdaptivePolicy(Acceptance):
         free.last = bk.steps
         return True
 
-    def free_cut(self, batch_size: int, probs: Sequence[float]) -> int:
+    def free_cut(self, batch_size: int, probs: Sequence[float], lookup: Sequence[bool] | None = None) -> int:
         """How many of a lone request's drafts that cost no draft model to verify (probs: per draft, the
-        chance that it and every draft before it are accepted): the prefix with the most expected tokens
-        per second, (B + its probs' sum) / (t_0 + f + c k) for k drafts against plain decoding's B / t_0
-        (k = 0: decode plainly), at this bucket's measured step costs (Bucket.row_cost: a suffix draft
-        that follows one of five earlier occurrences, 0.2 a token, pays for its rows nowhere near as
-        often as a copy); every draft until those are measured."""
+        chance that it and every draft before it are accepted, as the drafter estimates it; lookup: which
+        drafts are suffix drafts, the rest a grammar's forced tokens): the prefix with the most expected
+        tokens per second, (B + its chances' sum) / (t_0 + f + c k) for k drafts against plain
+        decoding's B / t_0 (k = 0: decode plainly), at this bucket's measured step costs
+        (Bucket.row_cost). A draft's chance is the lower of the drafter's and the measured one
+        (chain_chances by its place among the suffix drafts): the drafter counts one earlier occurrence
+        of a long match as certain, and at T=1 a code edit's answer leaves the file it copies early (the
+        default's free steps there cost it 8.7% of the time, in one process against no speculation).
+        Every draft until the step costs are measured."""
+        if lookup is not None:
+            measured = self.chain_chances(sum(lookup))
+            have, place, out = 1.0, 0, []
+            for p, is_lookup in zip(probs, lookup):
+                if is_lookup:
+                    have = measured[place]
+                    place += 1
+                out.append(min(p, have))
+            probs = out
         bk = self._bucket(batch_size)
         t0 = bk.arm(0).seconds()
         fit = bk.row_cost(t0) if t0 is not None else None
@@ -534,12 +547,16 @@ class AdaptivePolicy(Acceptance):
         return best_k
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
-                     scores: Sequence[float] | None = None, rows: int | None = None) -> None:
+                     scores: Sequence[float] | None = None, rows: int | None = None,
+                     chain: tuple[Sequence[int], int] | None = None) -> None:
         """A step of drafts that cost no draft model: tokens emitted (the batch's, the forced and lookup
         drafts accepted); lookup: those that were suffix drafts, scores: their drafts' scores (a step
-        `free_first` chose); rows: the drafts it verified (for free_cut's step costs)."""
+        `free_first` chose); rows: the drafts it verified (for free_cut's step costs); chain: a lone
+        request's (places of its suffix drafts in the chain, drafts accepted in a row), learn_chain's."""
         if scores is not None:
             self._learn_suffix(sum(scores), lookup)
+        if chain is not None:
+            self.learn_chain(*chain)
         bk = self._bucket(batch_size)
         bk.exploring = False  # (charged when decided)
         self._ran(bk, FREE, tokens, seconds)

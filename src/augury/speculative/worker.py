@@ -247,7 +247,7 @@ class Speculator:
                 chain = functools.partial(_reuse, done, self._chain)
             toks, srcs, probs = free_chain(r.shaper, context, limit, lookup, chain) if limit else ([], [], [])
             if lookup and toks and not self.warming:  # a lone request's: as many as pay for their rows
-                k = self.policy.free_cut(len(reqs), probs)
+                k = self.policy.free_cut(len(reqs), probs, [x == Source.LOOKUP for x in srcs])
                 toks, srcs = toks[:k], srcs[:k]
             chains.append((toks, srcs))
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
@@ -260,11 +260,15 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
+        chain = None  # a lone request's suffix drafts' places in its chain, and the drafts accepted in a row
+        if lookup and b == 1 and chains[0][0]:
+            places = [i for i, x in enumerate(chains[0][1]) if x == Source.LOOKUP]
+            chain = (places, sum(sum(t.accepted) for _, t in verified)) if places else None
         if not self.warming:
             self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
                                      timed=host.thread_trials() == trials,
                                      lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores,
-                                     rows=sum(len(c) for c, _ in chains))
+                                     rows=sum(len(c) for c, _ in chains), chain=chain)
         host.stats.steps_spec += 1
         return True
 
