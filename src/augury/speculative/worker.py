@@ -28,7 +28,7 @@ from augury.speculative.interface import Proposer, SpeculationPolicy, TargetHost
 from augury.speculative.ngram import matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape, Why, reason
 from augury.speculative.sources import SOURCE_NAMES, Source, Tally, tally
-from augury.speculative.suffix import DEFAULT_CACHE_TOKENS, SuffixDrafter
+from augury.speculative.suffix import DEFAULT_CACHE_TOKENS, Draft, SuffixDrafter
 from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
@@ -77,7 +77,7 @@ class Speculator:
         self._thread_changes = 0  # the host's count of thread-count changes when last seen
         # this step's suffix drafts by request (its id()), (context length, limit, Draft): _suffix_first's, which
         # _forced_only reuses (a search over a 1,500-token context is ~0.1 ms, ~3% of a demo step there)
-        self._drafted: dict[int, tuple[int, int, object]] = {}
+        self._drafted: dict[int, tuple[int, int, Draft]] = {}
 
     def after_warmup(self, host: TargetHost) -> None:
         """The warm-up passed: from now on the policy decides, and every step it is told of counts."""

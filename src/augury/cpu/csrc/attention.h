@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -23,6 +24,15 @@ constexpr int64_t KV_AHEAD = 16;
 enum : int { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
 
 inline int kv_bytes(int kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+
+// f(std::integral_constant<int, kv>()): the key format as a template argument, for the functions
+// written per format (a format tested inside a key loop cost GCC its registers: pv_pass512k, score512)
+template <class F>
+inline void with_kv(int kv, F &&f) {
+    if (kv == KV_BF16) f(std::integral_constant<int, KV_BF16>());
+    else if (kv == KV_FP8) f(std::integral_constant<int, KV_FP8>());
+    else f(std::integral_constant<int, KV_F32>());
+}
 
 // fp8 e4m3 -> float32 by a 256-entry table (exact; read by gathers, the same bits on every ISA level)
 struct Fp8Table {
@@ -182,9 +192,7 @@ __attribute__((noinline)) void pv_pass256k(const void *vc, int64_t nkv, int64_t 
 template <int H>
 inline void pv_pass256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
                        const float *scores, int64_t d0, const float *inv, float *o) {
-    if (kv == KV_BF16) pv_pass256k<H, KV_BF16>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
-    else if (kv == KV_FP8) pv_pass256k<H, KV_FP8>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
-    else pv_pass256k<H, KV_F32>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    with_kv(kv, [&](auto k) { pv_pass256k<H, decltype(k)::value>(vc, nkv, g, hd, sl, n, scores, d0, inv, o); });
 }
 
 // pv_pass256 over all hd dimensions (hd % 8 == 0), 16 at a time (one pass per 16: more sums at once
@@ -251,9 +259,7 @@ inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, i
         for (int64_t i = 0; i < nv; i++)
             qv[h][i] = _mm256_mul_ps(load8(q, q_bf16, (r * nh + h0 + h) * hd + 8 * i), _mm256_set1_ps(scale));
     float m[H];
-    if (kv == KV_BF16) score256<H, KV_BF16>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
-    else if (kv == KV_FP8) score256<H, KV_FP8>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
-    else score256<H, KV_F32>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m);
+    with_kv(kv, [&](auto k) { score256<H, decltype(k)::value>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, scores, m); });
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
@@ -330,9 +336,7 @@ __attribute__((noinline)) void pv_pass512k(const void *vc, int64_t nkv, int64_t 
 template <int H, int C>
 inline void pv_pass512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
                        const float *scores, int64_t d0, const float *inv, float *o) {
-    if (kv == KV_BF16) pv_pass512k<H, C, KV_BF16>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
-    else if (kv == KV_FP8) pv_pass512k<H, C, KV_FP8>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
-    else pv_pass512k<H, C, KV_F32>(vc, nkv, g, hd, sl, n, scores, d0, inv, o);
+    with_kv(kv, [&](auto k) { pv_pass512k<H, C, decltype(k)::value>(vc, nkv, g, hd, sl, n, scores, d0, inv, o); });
 }
 
 // pv_pass512 over all hd dimensions (hd % 16 == 0): passes of up to 4 x 32 (hd 128 in one: 24 of the
@@ -431,9 +435,7 @@ inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, i
         for (int64_t c = 0; c < NC; c++)
             qz[h * NC + c] = _mm512_mul_ps(load16(q, q_bf16, (r * nh + h0 + h) * hd + 16 * c), _mm512_set1_ps(scale));
     float m[H];
-    if (kv == KV_BF16) score512<H, NC, KV_BF16>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
-    else if (kv == KV_FP8) score512<H, NC, KV_FP8>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
-    else score512<H, NC, KV_F32>(qz, kc, vc, nkv, g, hd, sl, n, scores, m);
+    with_kv(kv, [&](auto k) { score512<H, NC, decltype(k)::value>(qz, kc, vc, nkv, g, hd, sl, n, scores, m); });
     float inv[H];
     for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
     float o[H * 512];
