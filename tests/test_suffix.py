@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from augury import LLM, SamplingParams
-from augury.speculative.suffix import MIN_PROB, SuffixCache, SuffixDrafter, grow, match_lengths, request_draft
+from augury.speculative.suffix import (MIN_PROB, SEPARATOR, SuffixCache, SuffixDrafter, TokenIndex, grow, match_lengths,
+                                       request_draft)
 from augury.speculative.tree import graft_trees, select_tree, trees_of
 from speculative_helpers import checkpoints
 
@@ -27,6 +28,32 @@ def test_match_lengths_counts_back_to_the_first_difference():
     ends = np.flatnonzero(buf[:-1] == 4)  # 4 at 4 and 8
     assert match_lengths(buf, ends, query, 24).tolist() == [4, 3]
     assert match_lengths(buf, ends, query, 2).tolist() == [2, 2]  # capped
+
+
+def _lengths_by_hand(buf, ends, query, most):
+    out = []
+    for e in ends.tolist():
+        n = 0
+        while n < min(most, len(query)) and e - n >= 0 and buf[e - n] == query[len(query) - 1 - n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+def test_match_lengths_equal_a_comparison_token_by_token():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        vocab = int(rng.integers(2, 6))  # few tokens: long matches, many occurrences
+        buf = rng.integers(0, vocab, size=int(rng.integers(2, 120)))
+        if trial % 3 == 0:
+            buf[rng.random(len(buf)) < 0.1] = SEPARATOR
+        query = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
+        if trial % 2:  # a query that is buf's own suffix, as a request's context is
+            query = buf[len(buf) - min(len(buf), len(query)):].copy()
+            query[query < 0] = 0
+        ends = np.flatnonzero(buf == query[-1])
+        for most in (1, 2, 5, 24):
+            assert match_lengths(buf, ends, query, most).tolist() == _lengths_by_hand(buf, ends, query, most)
 
 
 def test_request_draft_continues_the_longest_match_by_frequency():
@@ -45,6 +72,25 @@ def test_request_draft_continues_the_longest_match_by_frequency():
     assert all(d.parents[i] < i for i in range(len(d)))
     assert d.chain()[:2] == [20, 21]
     assert d.score == pytest.approx(sum(d.probs))
+
+
+def test_the_token_index_drafts_what_a_scan_of_the_array_drafts():
+    # a list growing a few tokens at a time, as a request's does, then another list (a new request)
+    rng = np.random.default_rng(1)
+    for vocab, size in ((3, 400), (5, 300), (40, 600), (200, 300)):  # few tokens: pairs past SCAN
+        index = TokenIndex()
+        for start in (0, 1):  # the second list differs from the first at once: the index starts over
+            tokens = rng.integers(0, vocab, size=8).tolist()
+            tokens[0] = vocab + start
+            while len(tokens) < size:
+                tokens += rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
+                if rng.random() < 0.3:  # a copy of an earlier span: long matches
+                    at = int(rng.integers(0, len(tokens) - 1))
+                    tokens += tokens[at:at + int(rng.integers(2, 30))]
+                for limit in (1, 4, 16):
+                    got, want = index.draft(tokens, limit), request_draft(np.array(tokens), limit)
+                    assert (got.tokens, got.parents, got.match) == (want.tokens, want.parents, want.match)
+                    assert got.probs == pytest.approx(want.probs)
 
 
 def test_request_draft_without_a_match_is_empty_and_limits_hold():

@@ -274,7 +274,7 @@ class Eagle3Proposer:
         tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
                            torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
         if self.ngram_branch and self.drafter is not None:
-            drafts = [self.drafter.draft(self.drafter.context(r), self.ngram_branch) for r in reqs]
+            drafts = [self.drafter.draft_for(r, self.ngram_branch) for r in reqs]
             tree = graft_trees(tree, [(d.tokens, d.parents) for d in drafts])
         elif self.ngram_branch:
             tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])

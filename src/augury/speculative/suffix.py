@@ -16,7 +16,7 @@ match a guess and drafts little). The draft's score, the sum of its nodes' proba
 expected accepted tokens.
 
 The per-request index is a scan of one array (the last token's earlier occurrences, extended back
-together: ~10-60 us on a few thousand tokens), no structure to build. The cross-request cache keys
+together: ~15 us on a few thousand tokens), no structure to build. The cross-request cache keys
 every position of its buffer by the two tokens ending there: a dict from the pair to its latest
 position, and per position the previous one with the same pair (a chain, newest first), written once
 per request when the speculator sees the batch without it (worker.py: off the drafting path; numpy
@@ -27,6 +27,7 @@ once the dead tokens reach the live ones.
 from __future__ import annotations
 
 import heapq
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -85,27 +86,25 @@ EMPTY = Draft()
 
 def match_lengths(buf: np.ndarray, ends: np.ndarray, query: np.ndarray, most: int) -> np.ndarray:
     """For each e in ends (buf[e] == query[-1]): how many tokens of buf ending at e equal query's last
-    ones, at most `most` (and at most e + 1). SEPARATOR never equals a token, so a match stops there."""
+    ones, at most `most` (and at most e + 1). SEPARATOR never equals a token, so a match stops there.
+
+    The occurrences whose token before e differs (most, in free text) are settled by one comparison;
+    the rest are compared at every depth at once, one [K, most] gather: a loop depth by depth cost
+    ~4 numpy calls a level (~80 us a step in the server, where the forward has just evicted the
+    interpreter's working set from the caches; this is ~6 calls whatever the depth)."""
     n = np.ones(len(ends), dtype=np.int64)
     most = min(most, len(query))
-    live = np.arange(len(ends))
-    for j in range(1, most):
-        live = live[ends[live] >= j]
-        if not len(live):
-            break
-        live = live[buf[ends[live] - j] == query[-1 - j]]
-        n[live] += 1
-        if len(live) <= 2 and j + 1 < most:  # one or two left (a copy): compare the rest at once
-            for i in live.tolist():
-                e = int(ends[i])
-                span = min(most, e + 1)
-                if span <= j + 1:
-                    continue
-                back = buf[e - span + 1: e - j][::-1]  # buf[e-j-1], buf[e-j-2], ... buf[e-span+1]
-                want = query[len(query) - span: len(query) - 1 - j][::-1]
-                diff = np.flatnonzero(back != want)
-                n[i] += int(diff[0]) if len(diff) else len(back)
-            break
+    if most < 2 or not len(ends):
+        return n
+    two = np.flatnonzero(ends >= 1)
+    two = two[buf[ends[two] - 1] == query[-2]]
+    if not len(two):
+        return n
+    back = np.arange(1, most)
+    at = ends[two, None] - back[None, :]  # [K, most - 1]: positions e - 1 .. e - most + 1
+    same = (buf[np.maximum(at, 0)] == query[len(query) - 1 - back][None, :]) & (at >= 0)
+    # leading equal positions: all of them, or up to the first difference
+    n[two] = 1 + np.where(same.all(axis=1), most - 1, same.argmin(axis=1))
     return n
 
 
@@ -120,13 +119,17 @@ def grow(buf: np.ndarray, bound: int, ends: np.ndarray, match: int, limit: int, 
     cols = ends[:, None] + 1 + np.arange(most)[None, :]  # [K, D] positions of the continuations
     inside = cols < bound
     conts = np.where(inside, buf[np.minimum(cols, bound - 1)], SEPARATOR)
-    conts[np.logical_or.accumulate(conts < 0, axis=1)] = SEPARATOR  # nothing after a separator
-    rows = conts.tolist()
-    draft = Draft(match=match)
+    rows = [row[:row.index(SEPARATOR)] if SEPARATOR in row else row for row in conts.tolist()]
+    return grow_rows(rows, match, most, min_prob)
+
+
+def grow_rows(rows: list[list[int]], match: int, most: int, min_prob: float = MIN_PROB) -> Draft:
+    """grow's tree from the occurrences' continuations (rows: per occurrence, the tokens after it, at
+    most `most`, fewer where its text ended), at most `most` nodes."""
     if len(rows) == 1:  # one occurrence (a copy): its continuation, every node certain
         row = rows[0]
-        n = row.index(SEPARATOR) if SEPARATOR in row else len(row)
-        return Draft(row[:n], list(range(-1, n - 1)), [1.0] * n, match)
+        return Draft(row, list(range(-1, len(row) - 1)), [1.0] * len(row), match)
+    draft = Draft(match=match)
     # heap of candidate nodes: (-probability, order, parent node, token, depth, occurrence rows)
     heap: list[tuple[float, int, int, int, int, list[int]]] = []
     order = 0
@@ -137,9 +140,9 @@ def grow(buf: np.ndarray, bound: int, ends: np.ndarray, match: int, limit: int, 
             return
         groups: dict[int, list[int]] = {}
         for r in members:
-            t = rows[r][depth]
-            if t >= 0:
-                groups.setdefault(t, []).append(r)
+            row = rows[r]
+            if depth < len(row):
+                groups.setdefault(row[depth], []).append(r)
         for t, g in groups.items():
             p = prob * len(g) / len(members)
             if p >= min_prob:
@@ -169,6 +172,76 @@ def request_draft(tokens: np.ndarray, limit: int, min_prob: float = MIN_PROB) ->
     m = int(n.max())
     best = ends[n >= m][-MAX_OCCURRENCES:]
     return grow(tokens, size, best, m, limit, min_prob)
+
+
+class TokenIndex:
+    """request_draft for one request's growing token list, from an index kept up to date as it grows:
+    each token's positions and each adjacent pair's (the pair's second position). The occurrences of
+    the last token whose token before differs (most of them, in free text) match one token and need no
+    comparison; those of the last pair are compared back in Python where they are few, through
+    match_lengths where many. In the server, after a forward has evicted the interpreter's working
+    set from the caches, request_draft's half dozen numpy calls over the array took ~90 us a step
+    (code edits at ~1,300 tokens: ~25 us its first scan alone); this ~10. The same drafts
+    (tests/test_suffix.py)."""
+
+    SCAN = 32  # occurrences of the last pair compared back in Python; more go through match_lengths
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._last = -1
+        self._at: dict[int, list[int]] = {}
+        self._pairs: dict[tuple[int, int], list[int]] = {}
+        self._array = TokenArray()
+
+    def _update(self, tokens: Sequence[int]) -> None:
+        m = len(tokens)
+        if m < self._n or (self._n and tokens[self._n - 1] != self._last):
+            self._n, self._at, self._pairs = 0, {}, {}  # not the list it followed: start over
+        at, pairs = self._at, self._pairs
+        prev = tokens[self._n - 1] if self._n else -1
+        for i in range(self._n, m):
+            t = tokens[i]
+            at.setdefault(t, []).append(i)
+            if i:
+                pairs.setdefault((prev, t), []).append(i)
+            prev = t
+        self._n = m
+        self._last = prev
+
+    def draft(self, tokens: Sequence[int], limit: int, min_prob: float = MIN_PROB) -> Draft:
+        """request_draft(np.asarray(tokens), limit, min_prob), tokens the list this index follows (only
+        ever appended to; another list starts it over)."""
+        self._update(tokens)
+        size = len(tokens)
+        if size < 2 or limit <= 0:
+            return EMPTY
+        last = tokens[-1]
+        ends = self._at[last]
+        if len(ends) < 2:
+            return EMPTY
+        two = self._pairs.get((tokens[-2], last), ())
+        if len(two) < 2:  # no earlier occurrence of the last pair: every match is one token long
+            m, best = 1, ends[-1 - MAX_OCCURRENCES:-1]
+        elif len(two) - 1 > self.SCAN:
+            arr = self._array.of(tokens)
+            cand = np.array(two[:-1], dtype=np.int64)
+            n = match_lengths(arr, cand, arr, MAX_DEPTH)
+            m = int(n.max())
+            best = cand[n >= m][-MAX_OCCURRENCES:].tolist()
+        else:
+            most = min(MAX_DEPTH, size)
+            lengths = []
+            for e in two[:-1]:
+                k = 2
+                while k < most and k <= e and tokens[e - k] == tokens[size - 1 - k]:
+                    k += 1
+                lengths.append(k)
+            m = max(lengths)
+            best = [e for e, k in zip(two, lengths) if k >= m][-MAX_OCCURRENCES:]
+        most = min(limit, math.ceil(SPEC_FACTOR * m))
+        if most <= 0:
+            return EMPTY
+        return grow_rows([tokens[e + 1:e + 1 + most] for e in best], m, most, min_prob)
 
 
 class SuffixCache:
@@ -258,7 +331,7 @@ class SuffixCache:
             at += len(seq) + 1
         self._used = at
 
-    def draft(self, query: np.ndarray, limit: int, min_prob: float = MIN_PROB) -> Draft:
+    def draft(self, query: Sequence[int] | np.ndarray, limit: int, min_prob: float = MIN_PROB) -> Draft:
         """The draft continuing query's longest suffix (at least its last two tokens) as the cached
         outputs went on; the requests it drew on become the most recently used."""
         if len(query) < 2 or limit <= 0 or not self._segments:
@@ -274,6 +347,7 @@ class SuffixCache:
         if not found:
             return EMPTY
         ends = np.array(found[::-1], dtype=np.int64)  # oldest first, as the request's own index has them
+        query = np.asarray(query[-MAX_DEPTH:])  # no match reads further back
         buf = self._buf
         ends = ends[(buf[ends] == b) & (buf[ends - 1] == a) & (buf[ends + 1] != SEPARATOR)]  # live, continued
         if not len(ends):
@@ -289,12 +363,14 @@ class SuffixCache:
 
 
 class SuffixDrafter:
-    """Suffix drafting for a speculator: each request's tokens as a growing array (its own index) and,
-    optionally, the cross-request cache, filled with each request's output once it finished."""
+    """Suffix drafting for a speculator: each request's tokens as a growing array and an index of them
+    (its own), and optionally the cross-request cache, filled with each request's output once it
+    finished."""
 
     def __init__(self, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
         self.cache = SuffixCache(cache_tokens) if cache_tokens > 0 else None
         self._arrays: weakref.WeakKeyDictionary[Request, TokenArray] = weakref.WeakKeyDictionary()
+        self._indices: weakref.WeakKeyDictionary[Request, TokenIndex] = weakref.WeakKeyDictionary()
         self._last: list[Request] = []  # the previous decode batch
 
     def clear(self) -> None:
@@ -321,10 +397,20 @@ class SuffixDrafter:
             arr = self._arrays[r] = TokenArray()
         return arr.of(r.all_token_ids)
 
+    def draft_for(self, r: Request, limit: int, min_prob: float = MIN_PROB) -> Draft:
+        """`draft` of r's prompt and output, its own draft from its index (TokenIndex)."""
+        index = self._indices.get(r)
+        if index is None:
+            index = self._indices[r] = TokenIndex()
+        tokens = r.all_token_ids
+        return self._better(index.draft(tokens, limit, min_prob), tokens, limit, min_prob)
+
     def draft(self, tokens: np.ndarray, limit: int, min_prob: float = MIN_PROB) -> Draft:
         """The better-scored of the request's own draft (tokens: its prompt and output, and any drafts
         after them) and the cache's."""
-        own = request_draft(tokens, limit, min_prob)
+        return self._better(request_draft(tokens, limit, min_prob), tokens, limit, min_prob)
+
+    def _better(self, own: Draft, tokens: Sequence[int] | np.ndarray, limit: int, min_prob: float) -> Draft:
         if self.cache is None or len(own) >= limit and min(own.probs) >= 1.0:
             return own  # a certain copy as long as allowed: nothing scores higher
         other = self.cache.draft(tokens, limit, min_prob)

@@ -31,6 +31,6 @@ class SuffixProposer:
         limit = shape.num_drafts + self.extra_nodes
         drafts = []
         for r in reqs:
-            d = self.drafter.draft(self.drafter.context(r), limit)
+            d = self.drafter.draft_for(r, limit)
             drafts.append((d.tokens, d.parents))
         return trees_of([r.last_token_id for r in reqs], drafts, Source.LOOKUP)

@@ -216,10 +216,9 @@ class Speculator:
             if own == 0:
                 return None
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
-            context = self.drafter.context(r)
-            draft = self.drafter.draft(context, limit)
+            draft = self.drafter.draft_for(r, limit)
             # this step's _forced_only verifies the same draft's chain: not searched for twice
-            self._drafted[id(r)] = (len(context), limit, draft)
+            self._drafted[id(r)] = (len(r.all_token_ids), limit, draft)
             scores.append(draft.score)
         return scores if self.policy.free_first(reqs, scores) else None
 
