@@ -112,6 +112,23 @@ class Arm:
         self.fresh = None
 
 
+def _fit(pts: list[tuple[int, float]]) -> tuple[float, float | None, float]:
+    """(a, c, mean k): the least-squares line s = a + c k through (k, s) points, c never below 0; c None
+    where every point has the same k (a is then the mean s)."""
+    mk = mean([k for k, _ in pts])
+    ms = mean([s for _, s in pts])
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    if var == 0.0:
+        return ms, None, mk
+    c = max(sum((k - mk) * (s - ms) for k, s in pts) / var, 0.0)
+    return ms - c * mk, c, mk
+
+
+def _at(line: tuple[float, float | None, float], k: int) -> float:
+    a, c, _ = line
+    return a if c is None else a + c * k
+
+
 class Bucket:
     """A batch bucket's arms and its exploration state (adaptive.py)."""
 
@@ -128,6 +145,7 @@ class Bucket:
         self.quiet: tuple | None = None  # (request ids, until which policy step, their records): _quiet
         # timed steps of drafts that cost no draft model: (draft rows verified, seconds), for row_cost
         self.free_rows: deque[tuple[int, float]] = deque(maxlen=2 * WINDOW)
+        self._line: tuple | None = None  # row_cost's fit: ((steps, the newest step), (a, c, mean k))
 
     def arm(self, key: int) -> Arm:
         a = self.arms.get(key)
@@ -165,26 +183,23 @@ class Bucket:
     def row_cost(self, t0: float) -> tuple[float, float] | None:
         """(f, c): a step verifying k drafts that cost no draft model takes t0 + f + c k (t0 a plain
         step's time; f its fixed extra, the tree's and the verification's Python; c a verified row's
-        compute), fitted by least squares to the recent timed such steps, refitted once without the
-        TRIM share of them farthest off the line (a shared machine's spikes); f and c never below 0.
-        None before MIN_SEEN of them. Where every step verified as many rows, f is 0 and c their
-        mean extra a row."""
-        pts = list(self.free_rows)
+        compute), from the line s = a + c k fitted by least squares to the recent timed such steps,
+        refitted once without the TRIM share of them farthest off it (a shared machine's spikes):
+        f = a - t0; f and c never below 0. None before MIN_SEEN of them. Where every step verified as
+        many rows, f is 0 and c their mean extra a row. The line is fitted once per new step (free_cut
+        asks every step at batch 1; a fit is ~30 us of Python)."""
+        pts = self.free_rows
         if len(pts) < MIN_SEEN:
             return None
-
-        def fit(pts: list[tuple[int, float]]) -> tuple[float, float]:
-            mk = mean([k for k, _ in pts])
-            my = mean([s - t0 for _, s in pts])
-            var = sum((k - mk) ** 2 for k, _ in pts)
-            if var == 0.0:
-                return 0.0, max(my / max(mk, 1.0), 0.0)
-            c = max(sum((k - mk) * (s - t0 - my) for k, s in pts) / var, 0.0)
-            return max(my - c * mk, 0.0), c
-
-        f, c = fit(pts)
-        keep = sorted(pts, key=lambda p: abs(p[1] - t0 - f - c * p[0]))[: len(pts) - int(len(pts) * TRIM)]
-        return fit(keep)
+        key = (len(pts), pts[-1])  # the newest step's tuple: a new object on every append
+        if self._line is None or self._line[0][0] != key[0] or self._line[0][1] is not key[1]:
+            line = _fit(list(pts))
+            keep = sorted(pts, key=lambda p: abs(p[1] - _at(line, p[0])))[: len(pts) - int(len(pts) * TRIM)]
+            self._line = (key, _fit(keep))
+        a, c, mk = self._line[1]
+        if c is None:  # one row count: its mean extra a row
+            return 0.0, max((a - t0) / max(mk, 1.0), 0.0)
+        return max(a - t0, 0.0), c
 
     def remeasure(self) -> None:
         """Every step time here ran at another speed (the kernels' thread count changed): plain decoding
