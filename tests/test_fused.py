@@ -207,9 +207,12 @@ def test_tree_rows_read_the_keys_exact_rows_gives_them(packed: bool) -> None:
     cache = torch.zeros(2, 512, 2, 16, dtype=torch.bfloat16)
     bs = 4
     backend = paged.PagedBackend(cache, cache.clone(), block_size=bs)
-    for b, n in ((1, 1), (1, 9), (3, 15), (6, 7)):
+    # chains in every row (a lone request's free drafts, any batch's prompt-like rows) take a shortcut
+    for b, n, chains in ((1, 1, False), (1, 9, False), (3, 15, False), (6, 7, False), (1, 12, True), (3, 5, True)):
         parents = torch.tensor([[-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, n)]
                                 for _ in range(b)])
+        if chains:
+            parents[:] = torch.arange(n) - 1
         if b > 1:
             parents[1] = torch.arange(n) - 1  # a chain among the trees
         ctx = [int(x) for x in torch.randint(1, 40, (b,), generator=g)]
@@ -224,6 +227,7 @@ def test_tree_rows_read_the_keys_exact_rows_gives_them(packed: bool) -> None:
         fast = backend.prepare_packed_tree(tables, ctx, parents, sizes) if packed \
             else backend.prepare_tree(tables, ctx, parents)
         assert not fast.exact.groups  # the direct slot lists, not exact_rows' groups
+        assert fast.timed  # a verification's call is timed for the thread choice, as every step's
         k_fast, k_gen = fast.fused_rows(), generic.fused_rows()
         assert torch.equal(k_fast[2], k_gen[2]), (b, n)  # slot mapping
         assert torch.equal(k_fast[4], k_gen[4]), (b, n)  # key counts

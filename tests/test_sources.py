@@ -151,3 +151,19 @@ def test_the_policy_learns_the_heads_acceptance_not_the_forced_tokens(ckpts):
     assert policy.rates()[0] < 0.2, policy.rates()  # (counting forced tokens it learned ~0.7 here)
     steps = sum(1 for n in drafting if n)
     assert steps * 4 < len(drafting), drafting  # (... and drafted the JSON rows every step while they ran)
+
+
+def test_padded_rows_take_the_depths_their_parents_give_them() -> None:
+    """_padded finds small batches' depths in Python, large ones' by depth_from_parents: the same."""
+    from augury.speculative import tree as T
+
+    g = torch.Generator().manual_seed(3)
+    for b, n in ((1, 1), (1, 17), (4, 9), (40, 20)):  # the last past SMALL_TREES
+        rows = []
+        for _ in range(b):
+            size = int(torch.randint(1, n + 1, (1,), generator=g))
+            par = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, size)]
+            rows.append(([7] * size, par, [int(Source.LOOKUP)] * size))
+        tree = T._padded(rows, torch.device("cpu"))
+        assert torch.equal(tree.depth, depth_from_parents(tree.parents)), (b, n)
+    assert 40 * 20 > T.SMALL_TREES >= 4 * 9

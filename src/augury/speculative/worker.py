@@ -29,7 +29,7 @@ from augury.speculative.ngram import matched_lookup
 from augury.speculative.policy import StaticPolicy, StepPlan, TreeShape, Why, reason
 from augury.speculative.sources import SOURCE_NAMES, Source, Tally, tally
 from augury.speculative.suffix import DEFAULT_CACHE_TOKENS, Draft, SuffixDrafter
-from augury.speculative.tree import DraftTree, cap_trees, rebuild_rows, with_root_only_rows
+from augury.speculative.tree import DraftTree, cap_trees, chains_of, rebuild_rows, with_root_only_rows
 from augury.speculative.verifier import verify
 
 log = logging.getLogger("augury.speculative")
@@ -252,10 +252,7 @@ class Speculator:
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
             return False
         b = len(reqs)
-        roots = DraftTree(torch.tensor([[r.last_token_id] for r in reqs]), torch.full((b, 1), -1),
-                          torch.zeros(b, 1, dtype=torch.long))
-        tree = rebuild_rows(roots, [([0], [(0, c)]) if c else None for c, _ in chains],
-                            [[src] if c else None for c, src in chains])
+        tree = chains_of([r.last_token_id for r in reqs], chains)
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
