@@ -188,6 +188,21 @@ def test_looked_up_rows_are_kept_and_the_oldest_dropped(root, monkeypatch) -> No
     assert list(emb._kept) == [8, 40, 9, 3, 200]
 
 
+def test_kept_rows_serve_lookups_inside_and_outside_inference_mode(root) -> None:
+    """The kept rows are first written inside torch.inference_mode (as the engine's steps run) and
+    then outside it (a host application's own call), and the other way round: both write them."""
+    from augury.models.loader import load_target
+
+    folder = folder_for(root, QT.Q6_K, True)
+    want = dense_embedding(folder)
+    for first_inside in (True, False):
+        emb = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")[0].embed_tokens
+        for inside in (first_inside, not first_inside, first_inside):
+            ids = torch.tensor([3, 40] if inside else [5, 41])
+            with torch.inference_mode(inside):
+                assert same_bits(emb(ids), want[ids])
+
+
 def test_where_the_embedding_stays_dense(root) -> None:
     """float32, no kernel-side quantisation ("none"), and a tied Q4_0 output layer the int4 kernel cannot
     take (261 rows, not whole panels: it reads the embedding) keep the dense embedding."""

@@ -242,3 +242,33 @@ def test_a_token_array_follows_its_growing_list() -> None:
         assert arr.of(toks).tolist() == toks
     assert arr.of([1, 2]).tolist() == [1, 2]  # another list: started over
     assert arr.of([1, 7, 3]).tolist() == [1, 7, 3]  # its last known token differs: started over
+
+
+def test_select_tree_in_python_ranks_as_the_torch_path(monkeypatch) -> None:
+    """Small batches are selected in Python (tree._select_small): the same trees as the torch path,
+    ties and scores that rise along a path included."""
+    from augury.speculative import tree as T
+
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for b, m in ((1, 1), (1, 3), (1, 20), (2, 12), (3, 52)):
+        for _ in range(20):
+            pars = torch.tensor([[-1] + [int(torch.randint(-1, j, (1,), generator=g)) for j in range(1, m)]
+                                 for _ in range(b)])
+            scores = -torch.randint(0, 6, (b, m), generator=g).float() / 2  # many ties
+            if int(torch.randint(0, 2, (1,), generator=g)):  # cumulative: non-increasing along paths
+                scores = scores.clone()
+                for row in range(b):
+                    for j in range(m):
+                        if pars[row, j] >= 0:
+                            scores[row, j] += scores[row, pars[row, j]]
+            toks = torch.randint(0, 1000, (b, m), generator=g)
+            roots = torch.randint(0, 1000, (b,), generator=g)
+            n = int(torch.randint(1, m + 2, (1,), generator=g))
+            cases.append((roots, toks, pars, scores, n))
+    small = [T.select_tree(*c) for c in cases]
+    monkeypatch.setattr(T, "SMALL_TREES", 0)
+    for c, got in zip(cases, small):
+        want = T.select_tree(*c)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        assert torch.equal(got.depth, want.depth)

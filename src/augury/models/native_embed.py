@@ -200,7 +200,8 @@ class PackedEmbedding(KernelModule, nn.Module):
         if fresh:
             rows = self._rows(torch.tensor(fresh, dtype=torch.int64))
             if state.get("_kept_rows") is None:
-                state["_kept_rows"] = torch.empty(most, self.embedding_dim, dtype=self.dtype)
+                with torch.inference_mode(False):  # a normal tensor: written inside inference mode and out
+                    state["_kept_rows"] = torch.empty(most, self.embedding_dim, dtype=self.dtype)
             at = []
             for t in fresh:
                 at.append(len(kept) if len(kept) < most else kept.popitem(last=False)[1])

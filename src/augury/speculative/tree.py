@@ -153,6 +153,11 @@ def select_tree(
     if not 0 <= k <= m:
         raise ValueError(f"select_tree: num_nodes - 1 must be in [0, {m}] candidates, got num_nodes={num_nodes}")
     dev = cand_tokens.device
+    if b * m <= SMALL_TREES and dev.type == "cpu":
+        small = _select_small(root_tokens.tolist(), cand_tokens.tolist(), cand_parents.tolist(),
+                              cand_scores.tolist(), k)
+        if small is not None:
+            return small
     parents = cand_parents.long()
     idx = torch.arange(m, device=dev)
     if bool(((parents < -1) | (parents >= idx)).any()):
@@ -174,6 +179,39 @@ def select_tree(
     tokens = torch.cat([root_tokens.to(dev, torch.long).view(b, 1), cand_tokens.long().gather(1, keep)], dim=1)
     tree_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), new_par], dim=1)
     return DraftTree(tokens=tokens, parents=tree_parents, depth=depth_from_parents(tree_parents))
+
+
+def _select_small(roots: list[int], toks: list[list[int]], pars: list[list[int]], scores: list[list[float]],
+                  k: int) -> DraftTree | None:
+    """select_tree in Python, for small batches (~30 torch operators on a few dozen candidates took
+    ~0.2 ms of a ~1.2 ms proposer call at batch 1): the same ranking (a stable sort on each
+    candidate's least score along its path), numbering and checks. None where a score is NaN (the
+    sorts may order those apart)."""
+    out_t, out_p, out_d = [], [], []
+    for root, tok, par, sc in zip(roots, toks, pars, scores):
+        m = len(tok)
+        eff = [0.0] * m
+        for i, (p, x) in enumerate(zip(par, sc)):
+            if x != x:
+                return None
+            if not -1 <= p < i:
+                raise ValueError("select_tree: each candidate's parent must be -1 or an earlier candidate")
+            eff[i] = x if p < 0 else min(x, eff[p])
+        keep = sorted(range(m), key=lambda i: -eff[i])[:k]
+        new_id = {c: j + 1 for j, c in enumerate(keep)}
+        t, p_new, d = [root], [-1], [0]
+        for c in keep:
+            p = par[c]
+            at = 0 if p < 0 else new_id.get(p)
+            assert at is not None, "select_tree: kept set is not ancestor-closed"
+            t.append(tok[c])
+            p_new.append(at)
+            d.append(d[at] + 1)
+        out_t.append(t)
+        out_p.append(p_new)
+        out_d.append(d)
+    return DraftTree(tokens=torch.tensor(out_t, dtype=torch.long), parents=torch.tensor(out_p, dtype=torch.long),
+                     depth=torch.tensor(out_d, dtype=torch.long))
 
 
 def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
