@@ -131,7 +131,7 @@ class FusedHead:
             raise ValueError("the head kernel reads a contiguous bfloat16 cache")
         emb = self.head.embed
         if isinstance(emb, PackedEmbedding):  # the tokens' rows alone as the table: no dense copy of it
-            emb, tokens = emb(torch.from_numpy(tokens)).contiguous(), np.arange(t, dtype=np.int64)
+            emb, tokens = emb.lookup(tokens.tolist()).contiguous(), np.arange(t, dtype=np.int64)
         else:
             emb = emb.weight
         rc = self.kernel.run(
