@@ -168,7 +168,10 @@ class PackedEmbedding(KernelModule, nn.Module):
         return (scale[..., None] * (codes.float() - 8.0).view(n, k // 32, 32)).reshape(n, k)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] int64 in range -> [T, H] bfloat16, dequantising each panel they touch once."""
+        """ids [T] int64 in range -> [T, H] bfloat16, dequantising each panel they touch once (a tied Q8_0
+        output layer's: each row alone, _w8a8_rows)."""
+        if isinstance(self.table, W8A8OutputLinear):
+            return self._w8a8_rows(ids)
         panels, which = torch.unique(torch.div(ids, INT4_N_MULTIPLE, rounding_mode="floor"), return_inverse=True)
         rows = which * INT4_N_MULTIPLE + ids % INT4_N_MULTIPLE  # each id's row among the panels' rows
         if panels.numel() <= PANELS_AT_ONCE:
@@ -190,6 +193,18 @@ class PackedEmbedding(KernelModule, nn.Module):
         if not want:
             return torch.empty(0, self.embedding_dim, dtype=self.dtype)
         return self._lookup(want)
+
+    def _w8a8_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """_rows of a tied Q8_0 output layer's panels (cpu/kernels.py's W8A8.unpack, row by row): each row's
+        codes gathered from its panel in numpy and multiplied by its groups' float32 scales, the products
+        W8A8.unpack gives, rounded once to bfloat16 (a panel through torch's operators took ~0.1 ms)."""
+        codes, scale = self.table.codes.numpy(), self.table.scale.numpy()  # [P, G, 8 * 16 * 4], [P, G, 16]
+        p, g, _ = codes.shape
+        i = ids.numpy()
+        panel, col = i // INT4_N_MULTIPLE, i % INT4_N_MULTIPLE
+        mine = codes.reshape(p, g, 8, INT4_N_MULTIPLE, 4)[panel, :, :, col, :]  # [T, G, 8, 4]
+        values = mine.astype(np.float32) * scale[panel, :, col][:, :, None, None]
+        return torch.from_numpy(values.reshape(len(i), -1)).to(self.dtype)
 
     def _lookup(self, want: list[int]) -> torch.Tensor:
         """_rows through the kept rows (KEPT_ROWS_BYTES): the same bits, each row dequantised once while
