@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import test_gguf
 from augury.cpu import kernels as cpu_kernels
-from augury.models import gguf_blocks, native
+from augury.models import gguf_blocks, native, native_embed
 from augury.models.native_embed import PackedEmbedding
 from augury.models.quant import W8A8OutputLinear
 
@@ -186,6 +186,18 @@ def test_looked_up_rows_are_kept_and_the_oldest_dropped(root, monkeypatch) -> No
         got = emb(torch.tensor(ids))
         assert computed == [fresh] and same_bits(got, want[torch.tensor(ids)])
     assert list(emb._kept) == [8, 40, 9, 3, 200]
+
+
+def test_a_tied_q8_0_tables_rows_come_in_parts(root, monkeypatch) -> None:
+    """A tied Q8_0 output layer's rows are taken W8A8_ROWS_AT_ONCE at a time (the whole table for
+    `weight`): the dense rows, bit for bit, across the parts' edges."""
+    from augury.models.loader import load_target
+
+    folder = folder_for(root, QT.Q8_0, True)
+    emb = load_target(folder, torch.bfloat16, CPU, 64, quantization="auto")[0].embed_tokens
+    assert isinstance(emb.table, W8A8OutputLinear)
+    monkeypatch.setattr(native_embed, "W8A8_ROWS_AT_ONCE", 7)
+    assert same_bits(emb.weight, dense_embedding(folder))
 
 
 def test_kept_rows_serve_lookups_inside_and_outside_inference_mode(root) -> None:

@@ -111,6 +111,9 @@ def _subset(table: nn.Module, panels: torch.Tensor) -> nn.Module:
     return sub
 
 
+W8A8_ROWS_AT_ONCE = 1024  # rows _w8a8_rows takes a call (their float32 values: 16 MiB at 4,096 features)
+
+
 class PackedEmbedding(KernelModule, nn.Module):
     """The token embedding [num_embeddings, embedding_dim] in a GGUF type's own values, looked up a
     panel of 16 rows at a time (bfloat16 rows, CPU)."""
@@ -170,8 +173,11 @@ class PackedEmbedding(KernelModule, nn.Module):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 in range -> [T, H] bfloat16, dequantising each panel they touch once (a tied Q8_0
         output layer's: each row alone, _w8a8_rows)."""
-        if isinstance(self.table, W8A8OutputLinear):
-            return self._w8a8_rows(ids)
+        table = self.table
+        if isinstance(table, W8A8OutputLinear) and table.codes.is_contiguous() and table.scale.is_contiguous():
+            if ids.numel() <= W8A8_ROWS_AT_ONCE:
+                return self._w8a8_rows(ids)
+            return torch.cat([self._w8a8_rows(part) for part in ids.split(W8A8_ROWS_AT_ONCE)])
         panels, which = torch.unique(torch.div(ids, INT4_N_MULTIPLE, rounding_mode="floor"), return_inverse=True)
         rows = which * INT4_N_MULTIPLE + ids % INT4_N_MULTIPLE  # each id's row among the panels' rows
         if panels.numel() <= PANELS_AT_ONCE:

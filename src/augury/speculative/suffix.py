@@ -15,8 +15,9 @@ reaches MIN_PROB, at most SPEC_FACTOR x m of them (a long match is a copy and dr
 match a guess and drafts little). The draft's score, the sum of its nodes' probabilities, is its
 expected accepted tokens.
 
-The per-request index is a scan of one array (the last token's earlier occurrences, extended back
-together: ~15 us on a few thousand tokens), no structure to build. The cross-request cache keys
+A request's own draft is request_draft's scan of one array (the last token's earlier occurrences,
+extended back together), or the same draft from TokenIndex, an index of the request's tokens kept as
+they grow (the speculator's: no scan per step). The cross-request cache keys
 every position of its buffer by the two tokens ending there: a dict from the pair to its latest
 position, and per position the previous one with the same pair (a chain, newest first), written once
 per request when the speculator sees the batch without it (worker.py: off the drafting path; numpy
@@ -181,7 +182,7 @@ class TokenIndex:
     comparison; those of the last pair are compared back in Python where they are few, through
     match_lengths where many. In the server, after a forward has evicted the interpreter's working
     set from the caches, request_draft's half dozen numpy calls over the array took ~90 us a step
-    (code edits at ~1,300 tokens: ~25 us its first scan alone); this ~10. The same drafts
+    (code edits at ~1,300 tokens: ~25 us its first scan alone); this ~20-30. The same drafts
     (tests/test_suffix.py)."""
 
     SCAN = 32  # occurrences of the last pair compared back in Python; more go through match_lengths
