@@ -75,7 +75,8 @@ def test_request_draft_continues_the_longest_match_by_frequency():
 
 
 def test_the_token_index_drafts_what_a_scan_of_the_array_drafts():
-    # a list growing a few tokens at a time, as a request's does, then another list (a new request)
+    # a list growing a few tokens at a time, as a request's does, then another list (a new request);
+    # with a few more tokens after it for one call, and as it was after that call
     rng = np.random.default_rng(1)
     for vocab, size in ((3, 400), (5, 300), (40, 600), (200, 300)):  # few tokens: pairs past SCAN
         index = TokenIndex()
@@ -87,10 +88,16 @@ def test_the_token_index_drafts_what_a_scan_of_the_array_drafts():
                 if rng.random() < 0.3:  # a copy of an earlier span: long matches
                     at = int(rng.integers(0, len(tokens) - 1))
                     tokens += tokens[at:at + int(rng.integers(2, 30))]
+                extra = rng.integers(0, vocab, size=int(rng.integers(1, 6))).tolist()  # a chain's drafts so far
+                index.draft(tokens, 1)  # up to date with tokens
+                held = ({k: list(v) for k, v in index._at.items()}, {k: list(v) for k, v in index._pairs.items()})
                 for limit in (1, 4, 16):
-                    got, want = index.draft(tokens, limit), request_draft(np.array(tokens), limit)
-                    assert (got.tokens, got.parents, got.match) == (want.tokens, want.parents, want.match)
-                    assert got.probs == pytest.approx(want.probs)
+                    for more in ((), extra, ()):  # the extra tokens held for one call alone
+                        got = index.draft(tokens, limit, extra=more)
+                        want = request_draft(np.array(tokens + list(more)), limit)
+                        assert (got.tokens, got.parents, got.match) == (want.tokens, want.parents, want.match)
+                        assert got.probs == pytest.approx(want.probs)
+                assert (index._at, index._pairs) == held  # the extra tokens' positions are gone again
 
 
 def test_request_draft_without_a_match_is_empty_and_limits_hold():

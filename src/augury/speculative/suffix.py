@@ -209,10 +209,33 @@ class TokenIndex:
         self._n = m
         self._last = prev
 
-    def draft(self, tokens: Sequence[int], limit: int, min_prob: float = MIN_PROB) -> Draft:
-        """request_draft(np.asarray(tokens), limit, min_prob), tokens the list this index follows (only
-        ever appended to; another list starts it over)."""
+    def draft(self, tokens: Sequence[int], limit: int, min_prob: float = MIN_PROB,
+              extra: Sequence[int] = ()) -> Draft:
+        """request_draft(np.asarray(tokens + extra), limit, min_prob), tokens the list this index follows
+        (only ever appended to; another list starts it over), extra tokens after it that the index holds
+        for this call alone (a grammar's forced tokens, in a chain of free drafts)."""
         self._update(tokens)
+        if not extra:
+            return self._draft(tokens, limit, min_prob)
+        seq = list(tokens) + [int(t) for t in extra]
+        at, pairs, n = self._at, self._pairs, len(tokens)
+        for i in range(n, len(seq)):
+            at.setdefault(seq[i], []).append(i)
+            if i:
+                pairs.setdefault((seq[i - 1], seq[i]), []).append(i)
+        try:
+            return self._draft(seq, limit, min_prob, np.asarray(seq))
+        finally:
+            for i in range(len(seq) - 1, n - 1, -1):  # as they were: the positions added last come off first
+                for table, key in ((at, seq[i]), (pairs, (seq[i - 1], seq[i]) if i else None)):
+                    if key is None:
+                        continue
+                    held = table[key]
+                    held.pop()
+                    if not held:
+                        del table[key]
+
+    def _draft(self, tokens: Sequence[int], limit: int, min_prob: float, arr: np.ndarray | None = None) -> Draft:
         size = len(tokens)
         if size < 2 or limit <= 0:
             return EMPTY
@@ -224,7 +247,7 @@ class TokenIndex:
         if len(two) < 2:  # no earlier occurrence of the last pair: every match is one token long
             m, best = 1, ends[-1 - MAX_OCCURRENCES:-1]
         elif len(two) - 1 > self.SCAN:
-            arr = self._array.of(tokens)
+            arr = self._array.of(tokens) if arr is None else arr
             cand = np.array(two[:-1], dtype=np.int64)
             n = match_lengths(arr, cand, arr, MAX_DEPTH)
             m = int(n.max())
@@ -398,13 +421,15 @@ class SuffixDrafter:
             arr = self._arrays[r] = TokenArray()
         return arr.of(r.all_token_ids)
 
-    def draft_for(self, r: Request, limit: int, min_prob: float = MIN_PROB) -> Draft:
-        """`draft` of r's prompt and output, its own draft from its index (TokenIndex)."""
+    def draft_for(self, r: Request, limit: int, min_prob: float = MIN_PROB, extra: Sequence[int] = ()) -> Draft:
+        """`draft` of r's prompt and output (and `extra` tokens after them), its own draft from its index
+        (TokenIndex)."""
         index = self._indices.get(r)
         if index is None:
             index = self._indices[r] = TokenIndex()
         tokens = r.all_token_ids
-        return self._better(index.draft(tokens, limit, min_prob), tokens, limit, min_prob)
+        own = index.draft(tokens, limit, min_prob, extra)
+        return self._better(own, list(tokens[-MAX_DEPTH:]) + list(extra) if len(extra) else tokens, limit, min_prob)
 
     def draft(self, tokens: np.ndarray, limit: int, min_prob: float = MIN_PROB) -> Draft:
         """The better-scored of the request's own draft (tokens: its prompt and output, and any drafts

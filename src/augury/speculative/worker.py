@@ -134,7 +134,9 @@ class Speculator:
         # what each row's step is, in words, for the requests that asked (SamplingParams.return_token_sources)
         notes = self._notes(reqs, caps, why, shape is not None) if any(r.spec_steps is not None for r in reqs) \
             else None
-        if shape is None and not self.warming and self.policy.free_allowed(len(reqs)) and \
+        # (a free-drafts step _suffix_first tried above found nothing worth verifying: asked again with
+        # the same requests and state, it would build the same chains and cut them the same way)
+        if shape is None and not self.warming and scores is None and self.policy.free_allowed(len(reqs)) and \
                 self._forced_only(host, reqs, notes):
             return True
         if shape is None or not host.reserve(reqs, lookahead):
@@ -240,10 +242,10 @@ class Speculator:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
             context = self._contexts.context(r) if lookup else None
-            chain = self._chain
+            chain = functools.partial(self._chain, r)
             done = self._drafted.get(id(r)) if context is not None else None
             if done is not None and done[:2] == (len(context), limit):
-                chain = functools.partial(_reuse, done, self._chain)
+                chain = functools.partial(_reuse, done, chain)
             toks, srcs, probs = free_chain(r.shaper, context, limit, lookup, chain) if limit else ([], [], [])
             if lookup and toks and not self.warming:  # a lone request's: as many as pay for their rows
                 k = self.policy.free_cut(len(reqs), probs, [x == Source.LOOKUP for x in srcs])
@@ -268,10 +270,15 @@ class Speculator:
         host.stats.steps_spec += 1
         return True
 
-    def _chain(self, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
-        """Text lookup's chain for a free-drafts step: the suffix draft's likeliest path and its nodes'
-        probabilities, or prompt lookup (its drafts taken as certain)."""
-        return self.drafter.chain_probs(tokens, limit) if self.drafter is not None else _certain(tokens, limit)
+    def _chain(self, r: Request, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+        """Text lookup's chain for a free-drafts step of r (tokens: r's prompt and output, then the chain's
+        drafts so far): the suffix draft's likeliest path and its nodes' probabilities, from r's token
+        index with the drafts after it (SuffixDrafter.draft_for), or prompt lookup (its drafts taken as
+        certain)."""
+        if self.drafter is None:
+            return _certain(tokens, limit)
+        n = len(r.all_token_ids)
+        return self.drafter.draft_for(r, limit, extra=tokens[n:].tolist()).chain_probs()
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
