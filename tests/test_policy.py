@@ -1,6 +1,8 @@
 """Load-aware speculation: the disable threshold, catch-up across it, and the adaptive decision."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -321,19 +323,36 @@ def test_the_warm_up_runs_both_paths_and_teaches_the_policy_nothing(ckpts):
     assert policy.acc == fresh.acc and policy.off == fresh.off
 
 
-def test_steps_that_catch_up_a_backlog_are_not_timed(ckpts):
-    """The first speculative step after a prompt (or after plain steps) also feeds the head
-    every position it missed; its time says nothing about drafting, so the policy gets its
-    acceptance but not its time."""
+def test_steps_that_catch_up_a_backlog_are_timed_without_it(ckpts):
+    """The first speculative step after a prompt (or after plain steps) also feeds the head every
+    position it missed; the policy gets its time without the share of the head's catch-up beyond
+    what a drafting step catches up (Proposer.catch_up_seconds), so that drafting is measured, not
+    left unmeasured (and due for a probe again at once)."""
+    from augury.speculative import worker as W
+
     target, head = ckpts
     llm = LLM(str(target), draft_model=str(head), speculative_algorithm="eagle3", speculative_policy="static",
               speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, dtype="float32",
               log_stats_interval=0.0)
-    seen = []
-    llm.engine.speculator.policy.observe = lambda b, shape, s, acc, timed=True, **kw: seen.append(timed)
-    llm.generate([[5] * 20], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert seen[0] is False  # the 20-token prompt was caught up in this step
-    assert len(seen) > 1 and all(seen[1:])  # afterwards each step catches up only what it committed
+    spec = llm.engine.speculator
+    seen, walls = [], []
+    spec.policy.observe = lambda b, shape, s, acc, timed=True, **kw: seen.append((timed, s, spec.proposer.catch_up_seconds))
+    step = W.Speculator.step
+
+    def timed_step(self, host, reqs):
+        t0 = time.perf_counter()
+        out = step(self, host, reqs)
+        walls.append(time.perf_counter() - t0)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(W.Speculator, "step", timed_step)
+        llm.generate([[5] * 20], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(seen) > 1 and all(t for t, _, _ in seen)
+    usual = 3 + spec.proposer.extra_nodes + 2
+    first, caught = seen[0][1], seen[0][2]
+    assert caught > 0 and first <= walls[0] - caught * (20 - usual) / 20  # the 20-token prompt's excess taken out
+    assert all(s <= w for (_, s, _), w in zip(seen[1:], walls[1:]))
 
 
 def test_a_probe_cut_short_is_not_outvoted_by_its_arms_old_window():

@@ -18,6 +18,7 @@ import torch
 from augury.attention import masked_metadata, padded_positions
 from augury.core.kv_cache import KVCache, slot_of
 from augury.core.request import Request
+from augury.core.timing import clock
 from augury.models.config import TargetConfig
 from augury.models.eagle3_fused import FusedHead
 from augury.models.eagle3_head import Eagle3Head, default_aux_layers
@@ -36,6 +37,7 @@ class Eagle3Proposer:
     """The EAGLE-3 head as a speculative.interface.Proposer."""
 
     needs_aux = True
+    catch_up_seconds = 0.0  # the last propose call's catch-up (the head over the positions it had not seen)
 
     def __init__(self, head: Eagle3Head, tcfg: TargetConfig, num_blocks: int, block_size: int,
                  ngram_branch: int = 0, drafter: SuffixDrafter | None = None) -> None:
@@ -238,12 +240,14 @@ class Eagle3Proposer:
     def propose(self, host: TargetHost, reqs: list[Request], shape: TreeShape) -> DraftTree:
         head, dev = self.head, self.device
         b, k, steps = len(reqs), shape.topk, shape.num_steps
+        t0 = clock(dev)
         if self.fused is not None:
             parent_h, top_id, top_lp = self.catch_up_fused(host, reqs, k)
         else:
             parent_h = self.catch_up(host, reqs)  # [B, H]
             logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
             top_lp, top_id = logp.topk(k, dim=-1)  # [B, k]
+        self.catch_up_seconds = clock(dev) - t0
         nc = [r.num_computed for r in reqs]
         roots = torch.tensor([r.last_token_id for r in reqs])
         cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1, device=dev)], [top_lp]

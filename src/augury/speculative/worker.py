@@ -149,11 +149,15 @@ class Speculator:
             return False
         sub = [reqs[i] for i in drafting]
         # a step that first feeds the head a prompt or a run of plain steps is slower than drafting
-        # itself; its time would make speculation look dear, so the policy only learns its acceptance.
-        # Timed: the rows caught up on no more than drafting leaves, on average (what the last step
-        # accepted, a prompt-lookup branch's tokens included, and one plain step between drafting ones,
-        # the policy's exploration of plain decoding; or a new request among many)
+        # itself: the rows caught up past what drafting leaves, on average (what the last step accepted,
+        # a prompt-lookup branch's tokens included, and one plain step between drafting ones, the
+        # policy's exploration of plain decoding), are taken out of its time, that share of the
+        # proposer's catch-up (Proposer.catch_up_seconds). Untimed where the proposer does not tell
+        # it: its time would make speculation look dear (a probe of drafting in a batch of agentic
+        # requests, each with ~1,500 tokens of history the head had not seen, took 25-44 ms against
+        # plain steps of ~6 ms, and, untimed, left the arm unmeasured: due for a probe again at once)
         backlog = sum(r.num_computed - r.draft_len for r in sub) if self.needs_aux else 0
+        usual = (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub)
         trials = host.thread_trials()
         t0 = clock(host.device)
         drafted = self.proposer.propose(host, sub, shape)
@@ -168,9 +172,13 @@ class Speculator:
         # whole shape's cost this step drafted.
         learned = [(b, t) for b, t in verified if t.depth]
         own = Source.HEAD if self.needs_aux else Source.LOOKUP  # the proposer's own drafts; a head's lookup apart
+        seconds = clock(host.device) - t0
+        caught = getattr(self.proposer, "catch_up_seconds", None)
+        if backlog > usual and caught is not None:
+            seconds -= caught * (backlog - usual) / backlog
         if not self.warming:
-            self.policy.observe(len(reqs), shape, clock(host.device) - t0, [t.accepted[own] for _, t in learned],
-                                timed=backlog <= (shape.num_steps + self.proposer.extra_nodes + 2) * len(sub)
+            self.policy.observe(len(reqs), shape, seconds, [t.accepted[own] for _, t in learned],
+                                timed=(backlog <= usual or caught is not None)
                                 and host.thread_trials() == trials,  # no thread count tried inside
                                 offered=[t.depth for _, t in learned],
                                 reqs=[reqs[b] for b, _ in learned], sizes=tree.row_sizes(),
