@@ -288,33 +288,3 @@ def test_workloads_are_deterministic_and_varied(kind):
     if kind == "agentic":
         calls = [m["content"] for m in a[0] if m["role"] == "assistant"]
         assert len(calls) >= 3 and all(c.startswith('{"name": ') for c in calls)
-
-
-def test_text_lookup_backs_off_while_it_misses_and_starts_again_on_a_hit():
-    """A lone request's search verified nothing accepted LOOKUP_MISSES steps in a row: the next steps
-    skip it, 1, 2, 4, then LOOKUP_REST at most between searches; a hit ends the rest, and so does another
-    request."""
-    from augury.speculative import worker as W
-    from augury.speculative.ngram import NgramProposer
-    from augury.speculative.policy import StaticPolicy, TreeShape
-
-    spec = W.Speculator(NgramProposer(), StaticPolicy(TreeShape(2, 1, 2), None), 4, drafter=SuffixDrafter())
-    one, other = object(), object()
-
-    def steps(req, n, hit=False):  # n steps of `req`: which of them searched
-        looked = []
-        for _ in range(n):
-            spec._back_off([req])
-            searches = spec._lookup_batch([req])
-            looked.append(searches)
-            spec._looked, spec._hit = searches, searches and hit
-        return looked
-
-    assert steps(one, W.LOOKUP_MISSES) == [True] * W.LOOKUP_MISSES
-    # rests 1, then searches; 2, searches; 4, searches; 8 (LOOKUP_REST), searches; 8 again
-    want = [False, True, False, False, True] + [False] * 4 + [True] + [False] * 8 + [True] + [False] * 8 + [True]
-    assert W.LOOKUP_REST == 8 and steps(one, len(want)) == want
-    assert steps(one, 3, hit=True) == [False] * 3  # (resting: nothing to hit)
-    assert steps(other, 2) == [True, True]  # another request: searched at once
-    assert steps(one, 1, hit=True) == [True] and steps(one, W.LOOKUP_MISSES + 1) == [True] * W.LOOKUP_MISSES + [False]
-    assert not spec._lookup_batch([one, other])  # a batch of two never searches (LOOKUP_BATCH)

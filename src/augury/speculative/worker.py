@@ -44,14 +44,6 @@ FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per reques
 # varied chats: steps with lookup chains ran at 0.52-0.76x of plain steps' tokens a second at batch 16 in
 # three runs, and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
 LOOKUP_BATCH = 1
-# text lookup's back-off: after LOOKUP_MISSES steps in a row whose search verified no suffix draft that
-# was accepted (free_first and free_cut said no, or the head drafted instead), a lone request's steps
-# skip the search, 1, 2, 4 then at most LOOKUP_REST steps between searches, until one hits. The search
-# and its policy questions cost ~0.1 ms a step at batch 1 (~2.5% of the demo's decode step after
-# ~1,300 tokens) where it rarely pays (code edits sampled at T=1); a copy that begins waits at most
-# LOOKUP_REST steps to be found
-LOOKUP_MISSES = 4
-LOOKUP_REST = 8
 # a suffix-first step's reason (outputs.SpecStep.reason; _forced_only words it as a step without proposer drafts)
 SUFFIX_FIRST = "the suffix drafts' expected tokens per second beat the policy's choice: verified alone"
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
@@ -86,11 +78,6 @@ class Speculator:
         # this step's suffix drafts by request (its id()), (context length, limit, Draft): _suffix_first's, which
         # _forced_only reuses (a search over a 1,500-token context is ~0.1 ms, ~3% of a demo step there)
         self._drafted: dict[int, tuple[int, int, Draft]] = {}
-        # text lookup's back-off (LOOKUP_MISSES): the lone request it follows, its misses in a row, the
-        # steps left to skip, and whether this step searched and whether a suffix draft was accepted
-        self._lookup_of: int | None = None
-        self._misses = self._rest = 0
-        self._looked = self._hit = False
 
     def after_warmup(self, host: TargetHost) -> None:
         """The warm-up passed: from now on the policy decides, and every step it is told of counts."""
@@ -122,7 +109,6 @@ class Speculator:
             self._thread_changes = changes
             self.policy.costs_changed()
         self._drafted.clear()
-        self._back_off(reqs)
         scores = self._suffix_first(reqs)
         if scores is not None and self._forced_only(
                 host, reqs, [SUFFIX_FIRST] * len(reqs) if any(r.spec_steps is not None for r in reqs) else None,
@@ -225,23 +211,9 @@ class Speculator:
         return out
 
     def _lookup_batch(self, reqs: list[Request]) -> bool:
-        """Steps without head drafts verify text lookup (suffix drafts) for this batch (LOOKUP_BATCH), unless
-        the back-off rests this step (LOOKUP_MISSES)."""
+        """Steps without head drafts verify text lookup (suffix drafts) for this batch (LOOKUP_BATCH)."""
         threshold = self.disable_batch_threshold
-        return len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold) and not self._rest
-
-    def _back_off(self, reqs: list[Request]) -> None:
-        """A step begins: count the last one's search as a hit or a miss (LOOKUP_MISSES), and rest or not."""
-        if self._rest:
-            self._rest -= 1
-        elif self._looked:
-            self._misses = 0 if self._hit else self._misses + 1
-            if self._misses >= LOOKUP_MISSES:
-                self._rest = min(1 << (self._misses - LOOKUP_MISSES), LOOKUP_REST)
-        self._looked = self._hit = False
-        lone = id(reqs[0]) if len(reqs) == 1 else None
-        if lone != self._lookup_of:  # another request (or a batch): its own text, searched afresh
-            self._lookup_of, self._misses, self._rest = lone, 0, 0
+        return len(reqs) <= LOOKUP_BATCH and (threshold is None or len(reqs) <= threshold)
 
     def _suffix_first(self, reqs: list[Request]) -> list[float] | None:
         """A head's step whose requests' suffix drafts, verified alone (a free-drafts step), the policy
@@ -255,7 +227,6 @@ class Speculator:
                 return None
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
             draft = self.drafter.draft_for(r, limit)
-            self._looked = True
             # this step's _forced_only verifies the same draft's chain: not searched for twice
             self._drafted[id(r)] = (len(r.all_token_ids), limit, draft)
             scores.append(draft.score)
@@ -274,7 +245,6 @@ class Speculator:
                 r.shaper is not None and r.shaper.has_grammar for r in reqs):
             return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
         trials, t0 = host.thread_trials(), clock(host.device)
-        self._looked = self._looked or lookup
         chains: list[tuple[list[int], list[int]]] = []  # (tokens, their sources) per request
         for r in reqs:
             own = r.params.max_draft_tokens
@@ -296,7 +266,6 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
-        self._hit = self._hit or any(t.accepted[Source.LOOKUP] for _, t in verified)
         chain = None  # a lone request's suffix drafts' places in its chain, and the drafts accepted in a row
         if lookup and b == 1 and chains[0][0]:
             places = [i for i, x in enumerate(chains[0][1]) if x == Source.LOOKUP]
