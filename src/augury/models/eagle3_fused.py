@@ -87,8 +87,7 @@ class FusedHead:
         row = [*_fields(fc), ln_in.weight.data_ptr(), hnorm.weight.data_ptr(), *_fields(qkv), *_fields(o),
                ln2.weight.data_ptr(), *_fields(gu), *_fields(dn), norm.weight.data_ptr(), *_fields(lm)]
         # what the addresses belong to: the modules and norm weights (compared on each call), their tensors
-        held = [*_linears(head), *_norms(head), *(n.weight for n in _norms(head)),
-                *(t for lin in _linears(head) for t in lin.buffers())]
+        held = [*_held_now(head), *(t for lin in _linears(head) for t in lin.buffers())]
         return torch.tensor(row, dtype=torch.int64), epoch(), held
 
     def _current(self) -> torch.Tensor:
@@ -146,22 +145,19 @@ class FusedHead:
 
 
 def _held_now(head) -> tuple:
-    """_current's check: the head's linears, norms and norm weights as _table holds them, read from the
-    modules' own dicts (nn.Module's attribute lookup, a Python function, took ~20 us of a ~0.3 ms call
-    for these fourteen)."""
-    try:
-        m = head._modules
-        mlp = m["mlp"]._modules
-        norms = (m["input_layernorm"], m["hidden_norm"], m["post_attention_layernorm"], m["norm"])
-        return (m["fc"], m["qkv_proj"], m["o_proj"], mlp["gate_up_proj"], mlp["down_proj"], m["lm_head"], *norms,
-                *(n._parameters["weight"] for n in norms))
-    except (KeyError, AttributeError):  # a head laid out otherwise: the attributes themselves
-        return (*_linears(head), *_norms(head), *(n.weight for n in _norms(head)))
+    """_current's check: what _table holds of the head, its linears, norms and norm weights."""
+    norms = _norms(head)
+    return (*_linears(head), *norms, *(n._parameters["weight"] for n in norms))
 
 
+# the head's parts read from the modules' own dicts, as nn.Module's attribute lookup finds them (that
+# lookup, a Python function, took ~20 us of a ~0.3 ms call for the fourteen _current compares)
 def _linears(head) -> tuple:
-    return head.fc, head.qkv_proj, head.o_proj, head.mlp.gate_up_proj, head.mlp.down_proj, head.lm_head
+    m = head._modules
+    mlp = m["mlp"]._modules
+    return m["fc"], m["qkv_proj"], m["o_proj"], mlp["gate_up_proj"], mlp["down_proj"], m["lm_head"]
 
 
 def _norms(head) -> tuple:
-    return head.input_layernorm, head.hidden_norm, head.post_attention_layernorm, head.norm
+    m = head._modules
+    return m["input_layernorm"], m["hidden_norm"], m["post_attention_layernorm"], m["norm"]

@@ -441,11 +441,3 @@ class SuffixDrafter:
             return own  # a certain copy as long as allowed: nothing scores higher
         other = self.cache.draft(tokens, limit, min_prob)
         return other if other.score > own.score else own
-
-    def chain(self, tokens: np.ndarray, limit: int) -> list[int]:
-        """The most likely path of `draft` (for steps that verify chains alone)."""
-        return self.draft(tokens, limit).chain()
-
-    def chain_probs(self, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
-        """`chain` and its nodes' probabilities (Draft.chain_probs)."""
-        return self.draft(tokens, limit).chain_probs()
