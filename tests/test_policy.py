@@ -475,29 +475,40 @@ def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:
     assert policy.buckets[1].row_cost(0.003) is None and policy.free_cut(1, guess) == 1
 
 
-def test_free_chains_are_cut_at_their_measured_acceptance_by_place() -> None:
-    """The drafter calls a one-occurrence match certain; where its chains' first suffix draft was
-    accepted once in ten (sampled answers leaving what they copy), free_cut takes the measured chance
-    and verifies none; where every place was accepted, the whole chain. A grammar's forced token
-    between suffix drafts is no place of its own; places past the first rejection are not counted."""
+def test_free_chains_are_cut_at_their_measured_acceptance_by_reach() -> None:
+    """The drafter calls a one-occurrence match certain whatever its length; where chains after a
+    one-token match had their first draft accepted once in ten (sampled answers leaving what they
+    copy) and chains after long matches every draft, free_cut takes the measured chance at each
+    draft's reach: none of a chain after a one-token match, the whole of one after an eight-token match.
+    A grammar's forced token between suffix drafts has no reach; drafts past the first rejection are
+    not counted."""
+    from augury.speculative.acceptance import REACH_FROM, reach_class
+
     policy = AdaptivePolicy(TREE, None)
     teach_times(policy, 1, 0.003, {})
     for i, k in enumerate([2, 16, 5, 9, 1, 12, 7, 16, 3, 8]):
         policy.observe_free(1, 1 + k, 0.003 + 0.001 + 0.0004 * k, rows=k)
     sure = [1.0] * 4
-    assert policy.free_cut(1, sure, [True] * 4) == 4  # nothing learned yet: the prior's rate 1
+    short, long = [1, 2, 3, 4], [8, 9, 10, 11]
+    assert policy.free_cut(1, sure, short) == 4  # nothing learned yet: the prior's rate 1
     for i in range(60):
-        policy.observe_free(1, 1, 0.005, timed=False, chain=([0, 1, 2, 3], 1 if i % 10 == 0 else 0))
-    assert policy.chain_chances(2)[0] < 0.2 and policy.free_cut(1, sure, [True] * 4) == 0
-    assert policy.free_cut(1, sure, [False] * 4) == 4  # forced tokens: the drafter's chances stand
+        policy.observe_free(1, 1, 0.005, timed=False, chain=([0, 1, 2, 3], short, 1 if i % 10 == 0 else 0))
+        policy.observe_free(1, 5, 0.005, timed=False, chain=([0, 1, 2, 3], long, 4))
+    assert policy.chain_chances(short[:2])[0] < 0.2 and policy.free_cut(1, sure, short) == 0
+    assert policy.chain_chances(long) == pytest.approx([1.0] * 4)
+    assert policy.free_cut(1, sure, long) == 4
+    assert policy.free_cut(1, sure, [0] * 4) == 4  # forced tokens: the drafter's chances stand
+    assert policy.free_cut(1, sure, [0, 0, 1, 2]) == 2  # two forced tokens, then a guess
     fresh = AdaptivePolicy(TREE, None)
     for _ in range(60):
-        fresh.learn_chain([0, 2, 3], 4)  # a forced token at place 1: suffix drafts 0, 2, 3, all accepted
-    assert fresh.chain_chances(3) == pytest.approx([1.0, 1.0, 1.0])
-    assert fresh.chain_off[3] == fresh.chain_off[15]  # the fourth suffix draft's place never reached
-    third = fresh.chain_off[2]
-    fresh.learn_chain([0, 1, 2], 1)  # the second rejected: the third not tried
-    assert fresh.chain_acc[1] < fresh.chain_off[1] and fresh.chain_off[2] == third
+        fresh.learn_chain([0, 2, 3], [5, 6, 7], 4)  # a forced token at place 1: suffix drafts 0, 2, 3, all accepted
+    assert fresh.chain_chances([5, 6, 7]) == pytest.approx([1.0, 1.0, 1.0])
+    assert fresh.chain_off[reach_class(24)] == fresh.chain_off[reach_class(100)]  # never reached
+    assert reach_class(1) == 0 and reach_class(7) == REACH_FROM.index(6) and reach_class(24) == len(REACH_FROM) - 1
+    seventh = fresh.chain_off[reach_class(7)]
+    fresh.learn_chain([0, 1, 2], [1, 2, 7], 1)  # the second rejected: the third not tried
+    assert fresh.chain_acc[reach_class(2)] < fresh.chain_off[reach_class(2)]
+    assert fresh.chain_off[reach_class(7)] == seventh
 
 
 @pytest.mark.parametrize("told", [True, False])

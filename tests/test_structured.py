@@ -569,8 +569,9 @@ def test_free_drafts_chain_forced_tokens_and_prompt_lookup_the_grammar_allows(pl
 
         def guess(tokens, most):
             t = [tok.convert_tokens_to_ids(c) for c in "bd"][:most]
-            return t, [0.5, 0.25][: len(t)]
+            return t, [0.5, 0.25][: len(t)], 3
 
-        toks, srcs, chance = free_chain(sh, ids + out, 16, chain=guess)
+        toks, srcs, chance, reach = free_chain(sh, ids + out, 16, chain=guess)
         assert tok.decode(toks[:-1]) == "ebdeq!" and chance == [1.0, 0.5, 0.25, 0.25, 0.25, 0.25, 0.25]
+        assert reach == [0, 3, 4, 0, 0, 0, 0]  # the lookup's match and its run; forced tokens none
         assert sh.output == out

@@ -225,8 +225,8 @@ def test_prompt_lookup_continues_the_latest_longest_match(vocab: int) -> None:
         want = _lookup_by_scan(toks, 10**6, MATCH_MAX)
         assert (toks[at:] if at >= 0 else []) == want
         # the reach grows with the match: MATCH_REACH tokens per matched one
-        assert matched_lookup(toks, 100) == want[:MATCH_REACH * n]
-        assert matched_lookup(toks, 3) == want[:min(3, MATCH_REACH * n)]
+        assert matched_lookup(toks, 100) == (want[:MATCH_REACH * n], n if want else 0)
+        assert matched_lookup(toks, 3)[0] == want[:min(3, MATCH_REACH * n)]
     assert longest_match([1, 2, 3, 9, 1, 2, 3], 8) == (3, 3)  # "1 2 3" then 9
     assert longest_match([7, 1, 2, 8, 1, 2], 1) == (1, 3)  # capped at one token: the latest "2"
     assert longest_match([1, 2, 3], 8) == (0, -1)

@@ -512,22 +512,22 @@ class AdaptivePolicy(Acceptance):
         free.last = bk.steps
         return True
 
-    def free_cut(self, batch_size: int, probs: Sequence[float], lookup: Sequence[bool] | None = None) -> int:
+    def free_cut(self, batch_size: int, probs: Sequence[float], reaches: Sequence[int] | None = None) -> int:
         """How many of a lone request's drafts that cost no draft model to verify (probs: per draft, the
-        chance that it and every draft before it are accepted, as the drafter estimates it; lookup: which
-        drafts are suffix drafts, the rest a grammar's forced tokens): the prefix with the most expected
-        tokens per second, (B + its chances' sum) / (t_0 + f + c k) for k drafts against plain
-        decoding's B / t_0 (k = 0: decode plainly), at this bucket's measured step costs
+        chance that it and every draft before it are accepted, as the drafter estimates it; reaches: per
+        draft, a suffix draft's reach (acceptance.py), 0 for a grammar's forced token): the prefix with
+        the most expected tokens per second, (B + its chances' sum) / (t_0 + f + c k) for k drafts
+        against plain decoding's B / t_0 (k = 0: decode plainly), at this bucket's measured step costs
         (Bucket.row_cost). A draft's chance is the lower of the drafter's and the measured one
-        (chain_chances by its place among the suffix drafts): the drafter counts one earlier occurrence
-        of a long match as certain, and at T=1 a code edit's answer leaves the file it copies early (the
+        (chain_chances at the suffix drafts' reaches): the drafter counts one earlier occurrence of any
+        match as certain, and at T=1 a code edit's answer leaves the file it copies early (the
         default's free steps there cost it 8.7% of the time, in one process against no speculation).
         Every draft until the step costs are measured."""
-        if lookup is not None:
-            measured = self.chain_chances(sum(lookup))
+        if reaches is not None:
+            measured = self.chain_chances([r for r in reaches if r])
             have, place, out = 1.0, 0, []
-            for p, is_lookup in zip(probs, lookup):
-                if is_lookup:
+            for p, reach in zip(probs, reaches):
+                if reach:
                     have = measured[place]
                     place += 1
                 out.append(min(p, have))
@@ -548,11 +548,12 @@ class AdaptivePolicy(Acceptance):
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: Sequence[float] | None = None, rows: int | None = None,
-                     chain: tuple[Sequence[int], int] | None = None) -> None:
+                     chain: tuple[Sequence[int], Sequence[int], int] | None = None) -> None:
         """A step of drafts that cost no draft model: tokens emitted (the batch's, the forced and lookup
         drafts accepted); lookup: those that were suffix drafts, scores: their drafts' scores (a step
         `free_first` chose); rows: the drafts it verified (for free_cut's step costs); chain: a lone
-        request's (places of its suffix drafts in the chain, drafts accepted in a row), learn_chain's."""
+        request's (places of its suffix drafts in the chain, their reaches, drafts accepted in a row),
+        learn_chain's."""
         if scores is not None:
             self._learn_suffix(sum(scores), lookup)
         if chain is not None:

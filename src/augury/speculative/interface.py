@@ -110,18 +110,18 @@ class SpeculationPolicy(Protocol):
         forced tokens, suffix drafts)?"""
         ...
 
-    def free_cut(self, batch_size: int, probs: list[float], lookup: list[bool] | None = None) -> int:
+    def free_cut(self, batch_size: int, probs: list[float], reaches: list[int] | None = None) -> int:
         """How many of a lone request's drafts that cost no draft model to verify (probs: per draft, the
-        chance that it and every draft before it are accepted; lookup: which are suffix drafts); 0:
-        decode plainly instead."""
+        chance that it and every draft before it are accepted; reaches: a suffix draft's reach, the tokens
+        its text matched before it, 0 for a grammar's forced token); 0: decode plainly instead."""
         ...
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: list[float] | None = None, rows: int | None = None,
-                     chain: tuple[list[int], int] | None = None) -> None:
+                     chain: tuple[list[int], list[int], int] | None = None) -> None:
         """After a step of drafts that cost no draft model: the tokens it emitted, its time, the lookup
         drafts among them, (a `free_first` step) the drafts' scores, the rows it verified, and a lone
-        request's chain (its suffix drafts' places, the drafts accepted in a row)."""
+        request's chain (its suffix drafts' places and reaches, the drafts accepted in a row)."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

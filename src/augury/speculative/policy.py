@@ -103,13 +103,13 @@ class StaticPolicy:
         cost no draft model are verified: nothing is measured here to say they lose."""
         return True
 
-    def free_cut(self, batch_size: int, probs: Sequence[float], lookup: Sequence[bool] | None = None) -> int:
+    def free_cut(self, batch_size: int, probs: Sequence[float], reaches: Sequence[int] | None = None) -> int:
         """Every draft that costs no draft model is verified (nothing is measured here to cut them by)."""
         return len(probs)
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: Sequence[float] | None = None, rows: int | None = None,
-                     chain: tuple[Sequence[int], int] | None = None) -> None:
+                     chain: tuple[Sequence[int], Sequence[int], int] | None = None) -> None:
         """Feedback after a step of drafts that cost no draft model (nothing to learn here)."""
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

@@ -246,6 +246,7 @@ class Speculator:
             return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
         trials, t0 = host.thread_trials(), clock(host.device)
         chains: list[tuple[list[int], list[int]]] = []  # (tokens, their sources) per request
+        reaches: list[list[int]] = []  # per request, its drafts' reaches (free_chain's)
         for r in reqs:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
@@ -254,11 +255,13 @@ class Speculator:
             done = self._drafted.get(id(r)) if context is not None else None
             if done is not None and done[:2] == (len(context), limit):
                 chain = functools.partial(_reuse, done, chain)
-            toks, srcs, probs = free_chain(r.shaper, context, limit, lookup, chain) if limit else ([], [], [])
+            toks, srcs, probs, reach = free_chain(r.shaper, context, limit, lookup, chain) if limit \
+                else ([], [], [], [])
             if lookup and toks and not self.warming:  # a lone request's: as many as pay for their rows
-                k = self.policy.free_cut(len(reqs), probs, [x == Source.LOOKUP for x in srcs])
-                toks, srcs = toks[:k], srcs[:k]
+                k = self.policy.free_cut(len(reqs), probs, reach)
+                toks, srcs, reach = toks[:k], srcs[:k], reach[:k]
             chains.append((toks, srcs))
+            reaches.append(reach)
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
             return False
         b = len(reqs)
@@ -266,10 +269,11 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
-        chain = None  # a lone request's suffix drafts' places in its chain, and the drafts accepted in a row
+        chain = None  # a lone request's suffix drafts' places in its chain and reaches, the drafts accepted in a row
         if lookup and b == 1 and chains[0][0]:
             places = [i for i, x in enumerate(chains[0][1]) if x == Source.LOOKUP]
-            chain = (places, sum(sum(t.accepted) for _, t in verified)) if places else None
+            chain = (places, [reaches[0][i] for i in places], sum(sum(t.accepted) for _, t in verified)) \
+                if places else None
         if not self.warming:
             self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
                                      timed=host.thread_trials() == trials,
@@ -278,7 +282,7 @@ class Speculator:
         host.stats.steps_spec += 1
         return True
 
-    def _chain(self, r: Request, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+    def _chain(self, r: Request, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float], int]:
         """Text lookup's chain for a free-drafts step of r (tokens: r's prompt and output, then the chain's
         drafts so far): the suffix draft's likeliest path and its nodes' probabilities, from r's token
         index with the drafts after it (SuffixDrafter.draft_for), or prompt lookup (its drafts taken as
@@ -286,7 +290,8 @@ class Speculator:
         if self.drafter is None:
             return _certain(tokens, limit)
         n = len(r.all_token_ids)
-        return self.drafter.draft_for(r, limit, extra=tokens[n:].tolist()).chain_probs()
+        draft = self.drafter.draft_for(r, limit, extra=tokens[n:].tolist())
+        return (*draft.chain_probs(), draft.match)
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -454,26 +459,27 @@ def free_drafts(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray
     return free_chain(shaper, context, limit, lookup)[0]
 
 
-# (tokens, most) -> the chain text lookup drafts after them, and each draft's chance that it and every
-# draft before it in the chain are accepted
-Lookup = Callable[[np.ndarray, int], tuple[list[int], list[float]]]
+# (tokens, most) -> the chain text lookup drafts after them, each draft's chance that it and every
+# draft before it in the chain are accepted, and the length of the match they continue
+Lookup = Callable[[np.ndarray, int], tuple[list[int], list[float], int]]
 
 
-def _reuse(done: tuple, search: Lookup, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+def _reuse(done: tuple, search: Lookup, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float], int]:
     """A Lookup that answers a request's own context (done: its length, the limit, the Draft found for
     it this step) from that draft, and searches for anything else (a grammar's forced tokens after it)."""
     n, most, draft = done
-    return draft.chain_probs() if (len(tokens), limit) == (n, most) else search(tokens, limit)
+    return (*draft.chain_probs(), draft.match) if (len(tokens), limit) == (n, most) else search(tokens, limit)
 
 
-def _certain(tokens: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
+def _certain(tokens: np.ndarray, limit: int) -> tuple[list[int], list[float], int]:
     """Prompt lookup (ngram.matched_lookup) as a Lookup: no estimate of its drafts' chances, taken as 1."""
-    drafts = matched_lookup(tokens, limit)
-    return drafts, [1.0] * len(drafts)
+    drafts, match = matched_lookup(tokens, limit)
+    return drafts, [1.0] * len(drafts), match
 
 
 def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray | None, limit: int,
-               lookup: bool = True, chain: Lookup | None = None) -> tuple[list[int], list[int], list[float]]:
+               lookup: bool = True, chain: Lookup | None = None
+               ) -> tuple[list[int], list[int], list[float], list[int]]:
     """A chain of drafts that cost no draft model, at most `limit` tokens, for one request (its shaper,
     at its committed state, where it is left; None: nothing shapes its logits): the tokens its grammar
     forces (jump-forward), then prompt lookup's continuation of the request's tokens (`context`:
@@ -484,19 +490,22 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
     (context unused). JSON answers repeat what they and their
     prompt wrote (keys an array's every object has, the schema's enum values): at batch 1 on the
     demo, prompt lookup's drafts at the steps with nothing forced were accepted ~half the time.
-    Returns the tokens, each one's Source (FORCED or LOOKUP) and each one's chance that it and every
+    Returns the tokens, each one's Source (FORCED or LOOKUP), each one's chance that it and every
     draft before it are accepted (a forced token's: the chance of the drafts before it; a lookup
-    draft's: theirs times the lookup's own estimate)."""
+    draft's: theirs times the lookup's own estimate) and each one's reach (a lookup draft's: the
+    tokens its text matched before it, the match it continues and the drafts before it in that run;
+    a forced token's 0)."""
     chain = chain or _certain
     if shaper is None or not shaper.has_grammar:
-        drafts, probs = chain(np.asarray(context), limit) if lookup else ([], [])
-        return drafts, [Source.LOOKUP] * len(drafts), probs
+        drafts, probs, match = chain(np.asarray(context), limit) if lookup else ([], [], 0)
+        return drafts, [Source.LOOKUP] * len(drafts), probs, [max(match, 1) + i for i in range(len(drafts))]
     if not lookup:
         forced = shaper.forced_tokens(limit)
-        return forced, [Source.FORCED] * len(forced), [1.0] * len(forced)
+        return forced, [Source.FORCED] * len(forced), [1.0] * len(forced), [0] * len(forced)
     out: list[int] = []
     src: list[int] = []
     chance: list[float] = []
+    reach: list[int] = []
     sure = 1.0  # the chance that every draft so far is accepted
     try:
         while len(out) < limit:
@@ -506,9 +515,11 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
             out += forced
             src += [Source.FORCED] * len(forced)
             chance += [sure] * len(forced)
+            reach += [0] * len(forced)
             if len(out) >= limit:
                 break
-            drafts, probs = chain(np.concatenate((context, out)) if out else np.asarray(context), limit - len(out))
+            drafts, probs, match = chain(np.concatenate((context, out)) if out else np.asarray(context),
+                                         limit - len(out))
             if not drafts:
                 break
             n = len(drafts) + 1  # the chain under the current state: its first prefix the grammar allows
@@ -518,13 +529,14 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
             out += drafts[:kept]
             src += [Source.LOOKUP] * kept
             chance += [sure * p for p in probs[:kept]]
+            reach += [max(match, 1) + i for i in range(kept)]
             if kept:
                 sure = chance[-1]
             if kept < len(drafts):  # the earlier text went on otherwise than the grammar allows here
                 break
     finally:
         shaper.pop_all()
-    return out, src, chance
+    return out, src, chance, reach
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:
