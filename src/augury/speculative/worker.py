@@ -244,6 +244,8 @@ class Speculator:
         if all(r.params.max_draft_tokens == 0 for r in reqs) or not lookup and not any(
                 r.shaper is not None and r.shaper.has_grammar for r in reqs):
             return False  # nothing to draft (nor to time: the clock waits for the device on CUDA)
+        if lookup and all(self._found_nothing(r) for r in reqs):
+            return False  # (half the steps of held-out code edits at T=1 after the rule's plain decision)
         trials, t0 = host.thread_trials(), clock(host.device)
         chains: list[tuple[list[int], list[int]]] = []  # (tokens, their sources) per request
         reaches: list[list[int]] = []  # per request, its drafts' reaches (free_chain's)
@@ -281,6 +283,13 @@ class Speculator:
                                      rows=sum(len(c) for c, _ in chains), chain=chain)
         host.stats.steps_spec += 1
         return True
+
+    def _found_nothing(self, r: Request) -> bool:
+        """No grammar shapes r, and this step's suffix search (_suffix_first's) found no draft for it."""
+        if r.shaper is not None and r.shaper.has_grammar:
+            return False
+        done = self._drafted.get(id(r))
+        return done is not None and done[0] == len(r.all_token_ids) and not done[2].tokens
 
     def _chain(self, r: Request, tokens: np.ndarray, limit: int) -> tuple[list[int], list[float], int]:
         """Text lookup's chain for a free-drafts step of r (tokens: r's prompt and output, then the chain's
