@@ -8,7 +8,8 @@ steps, so this ratio, per row count, is what the policy weighs (speculative/adap
 Each ISA level runs in a process of its own (AUGURY_CPU_ISA=level: the kernels built for that
 level; levels the CPU lacks are skipped), loads the demo target as `LLM("demo")` does, and times
 the target's forward plus its output layer on a chain of R nodes after a context of C tokens
-(cache contents do not change the cost), against a decode step at the same context, paired:
+(the cache's values do not change the cost, whether its pages were ever written does: every slot
+read is written first), against a decode step at the same context, paired:
 each repeat times every row count once, in alternating order, and the ratio is the median over
 repeats of (R rows) / (1 row) of the same repeat; each level runs in --processes processes (the
 levels' order alternating between rounds), and the table gives the median over them, since on a
@@ -50,6 +51,13 @@ def time_rows(llm, context: int, rows: tuple[int, ...], repeats: int, inner: int
     model, attention, bs = engine.model, engine.attention, engine.allocator.block_size
     need = -(-(context + max(rows)) // bs)
     table = list(range(1, 1 + need))  # free blocks at start-up (block 0 is never handed out)
+    # the slots the steps read, written first: a page of the lazily taken cache (core/kv_cache.lazy_zeros)
+    # that was never written reads the kernel's shared zero page, as no real request's context does (a
+    # demo decode step after 1,445 tokens: 2.0-2.2 ms over such pages, 4.0 ms over written ones; Zen 5
+    # EPYC, 2 threads), so the table understated the rows' attention at long contexts
+    span = slice(bs, (1 + need) * bs)
+    for cache in (engine.kv.k, engine.kv.v):
+        cache[:, span].copy_(0.5 * torch.randn(cache[:, span].shape))
 
     def step(r: int):
         parents = (torch.arange(r) - 1)[None]
