@@ -151,6 +151,32 @@ def test_injected_fault_stops_at_that_stage(stage: str, tiny: Path, monkeypatch:
     _assert_stopped_there(_in_process(_base(tiny), monkeypatch, capfd, AUGURY_FAULT_INJECT=stage), stage)
 
 
+def test_a_stop_signal_that_a_library_turns_into_another_error_still_reads_as_a_stop(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM while the target loads, its exception caught inside a library call that raises its own
+    instead (torch building a tensor: "could not determine the shape of object type ..."): start-up
+    says it was interrupted there and exits 128 + 15, not a one-line failure of the stage."""
+    import os
+    import signal
+
+    import augury.builder
+
+    def load_target(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            pass  # swallowed, as torch's C++ did
+        raise TypeError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+
+    monkeypatch.setattr(augury.builder, "load_target", load_target)
+    out = _in_process(_base(tiny), monkeypatch, capfd)
+    assert out.rc == 128 + signal.SIGTERM, out.output
+    assert "augury: error: start-up interrupted at stage 'target' (SIGTERM)" in out.output
+    assert "could not determine" not in out.output and "Traceback" not in out.output
+    assert not out.listened
+
+
 def test_injected_fault_in_a_real_process(subprocess_outcomes: dict[str, Outcome]) -> None:
     _assert_stopped_there(subprocess_outcomes["warm-up"], "warm-up")
 

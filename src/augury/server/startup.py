@@ -86,8 +86,11 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop_start_up(signum: int, frame) -> None:
-    raise _Stopped(signum)
+def _interrupted(stage: str, signum: int) -> int:
+    """Start-up stopped by a signal at `stage`: one line, and the shell's status for that signal."""
+    print(f"augury: error: start-up interrupted at stage '{stage}' ({signal.Signals(signum).name})",
+          file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _setup_logging(debug: bool) -> logging.Handler:
@@ -107,16 +110,22 @@ def serve_main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     handler = _setup_logging(args.debug)
     main = threading.current_thread() is threading.main_thread()  # only there may signal handlers be set
-    before = signal.signal(signal.SIGTERM, _stop_start_up) if main else None
+    stopped: list[int] = []  # the stop signal start-up received, if one came
+
+    def stop(signum: int, frame) -> None:
+        stopped.append(signum)
+        raise _Stopped(signum)
+
+    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
-        return _start_and_serve(args)
+        return _start_and_serve(args, stopped)
     finally:
         if main:
             signal.signal(signal.SIGTERM, before)
         logging.getLogger("augury").removeHandler(handler)
 
 
-def _start_and_serve(args) -> int:
+def _start_and_serve(args, stopped: list[int]) -> int:
     stages = _Stages()
     debug = bool(args.debug)
     try:
@@ -142,12 +151,13 @@ def _start_and_serve(args) -> int:
             server = build_server(settings, engine, stages.seconds)
             sock = bind_socket(settings.host, settings.port)
     except StartupError as e:
+        if stopped:  # the stop signal's exception, raised inside a library's call, came out as another: torch
+            #          building a tensor turned it into "could not determine the shape of object type
+            #          'torch.storage.UntypedStorage'" (a two-rank start-up stopped while loading its target)
+            return _interrupted(stages.current, stopped[-1])
         return _report(e.stage, e.cause, debug)
     except KeyboardInterrupt as e:
-        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
-        print(f"augury: error: start-up interrupted at stage '{stages.current}' ({signal.Signals(signum).name})",
-              file=sys.stderr, flush=True)
-        return 128 + signum
+        return _interrupted(stages.current, e.signum if isinstance(e, _Stopped) else signal.SIGINT)
     stages.finish()
     try:
         status = asyncio.run(server.serve_on(sock))
