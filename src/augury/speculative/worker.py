@@ -299,8 +299,7 @@ class Speculator:
         if self.drafter is None:
             return _certain(tokens, limit)
         n = len(r.all_token_ids)
-        draft = self.drafter.draft_for(r, limit, extra=tokens[n:].tolist())
-        return (*draft.chain_probs(), draft.match)
+        return _as_lookup(self.drafter.draft_for(r, limit, extra=tokens[n:].tolist()))
 
     def _ready(self, r: Request) -> bool:
         """r can draft now: a proposer reading target features has one it has not seen."""
@@ -477,7 +476,17 @@ def _reuse(done: tuple, search: Lookup, tokens: np.ndarray, limit: int) -> tuple
     """A Lookup that answers a request's own context (done: its length, the limit, the Draft found for
     it this step) from that draft, and searches for anything else (a grammar's forced tokens after it)."""
     n, most, draft = done
-    return (*draft.chain_probs(), draft.match) if (len(tokens), limit) == (n, most) else search(tokens, limit)
+    return _as_lookup(draft) if (len(tokens), limit) == (n, most) else search(tokens, limit)
+
+
+def _as_lookup(draft: Draft) -> tuple[list[int], list[float], int]:
+    """A suffix draft as a Lookup's answer: its likeliest path, the path's probabilities, its match."""
+    return (*draft.chain_probs(), draft.match)
+
+
+def _reaches(match: int, n: int) -> list[int]:
+    """The reaches of a lookup run of n drafts continuing a match of `match` tokens."""
+    return [max(match, 1) + i for i in range(n)]
 
 
 def _certain(tokens: np.ndarray, limit: int) -> tuple[list[int], list[float], int]:
@@ -507,7 +516,7 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
     chain = chain or _certain
     if shaper is None or not shaper.has_grammar:
         drafts, probs, match = chain(np.asarray(context), limit) if lookup else ([], [], 0)
-        return drafts, [Source.LOOKUP] * len(drafts), probs, [max(match, 1) + i for i in range(len(drafts))]
+        return drafts, [Source.LOOKUP] * len(drafts), probs, _reaches(match, len(drafts))
     if not lookup:
         forced = shaper.forced_tokens(limit)
         return forced, [Source.FORCED] * len(forced), [1.0] * len(forced), [0] * len(forced)
@@ -538,7 +547,7 @@ def free_chain(shaper: LogitsShaper | None, context: Sequence[int] | np.ndarray 
             out += drafts[:kept]
             src += [Source.LOOKUP] * kept
             chance += [sure * p for p in probs[:kept]]
-            reach += [max(match, 1) + i for i in range(kept)]
+            reach += _reaches(match, kept)
             if kept:
                 sure = chance[-1]
             if kept < len(drafts):  # the earlier text went on otherwise than the grammar allows here
