@@ -69,7 +69,8 @@ def test_every_variant_compiles_on_any_x86_host(level) -> None:
 @pytest.mark.parametrize("level", [lv for lv in isa.LEVELS[1:] if isa.allowed_on_host(lv)] or
                          [pytest.param("none", marks=pytest.mark.skip(reason="this CPU runs only the avx2 level"))])
 def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
-    """w4a8, w8a8, bf16 and attention at `level` give the AVX2 variant's bits (rows of several counts)."""
+    """w4a8, w8a8, bf16, attention and the sampler's draw at `level` give the AVX2 variant's bits (rows
+    of several counts)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(13, 256, generator=g) * 3).to(torch.bfloat16)
     codes = torch.randint(0, 16, (64, 256), generator=g)
@@ -87,6 +88,8 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
         kh, vh = (torch.randn(50, 2, hd, generator=g).to(torch.bfloat16) for _ in range(2))
         heads.append((qh, kh, vh, torch.randint(0, 50, (4, 37), generator=g),
                       torch.tensor([1, 9, 37, 16], dtype=torch.int32), hd ** -0.5))
+    draw_rows = torch.randn(1, 5000, generator=g) * 4
+    draw_us = torch.rand(64, dtype=torch.float64, generator=g).tolist()
     outs = {}
     for lv in ("avx2", level):
         w4 = cpu_kernels.W4A8(build.build("w4a8", lv))
@@ -96,5 +99,7 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
         outs[lv] = [w4.linear(x, *w4.pack(codes, scale, zero)), w8.linear(x.float(), *w8.pack(w)),
                     bf.linear(x.float(), bf.pack(w), 72), at.attend_rows(q, kc, vc, slots, nkeys, 0.2)]
         outs[lv] += [at.attend_rows(*case) for case in heads]
+        ew = cpu_kernels.Elementwise(build.build("elementwise", lv))  # the sampler's draw: its exp and sums
+        outs[lv].append(torch.tensor(ew.draw_temperature(draw_rows.expand(64, -1).contiguous(), [0.7] * 64, draw_us)))
     for a, b in zip(outs["avx2"], outs[level]):
         assert torch.equal(a, b)

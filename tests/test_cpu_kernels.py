@@ -462,6 +462,49 @@ def test_silu_mul_kernel_matches_torch_and_is_row_invariant(n) -> None:
     assert torch.isnan(k.silu_mul(nan)[3, 0]) and torch.equal(k.silu_mul(nan)[4:], got[4:])
 
 
+@needs_kernel
+@pytest.mark.parametrize("v", [6, 8, 255, 256, 257, 1000, 49152])
+def test_temperature_draw_kernel_inverts_the_softmax_cdf(v) -> None:
+    """Each drawn token's interval of softmax(x / t)'s float64 CDF (from torch, in float64) holds the
+    uniform, to rounding; a token of probability 0 is never drawn; a row alone or among others, and
+    through draw_sampled, gives the same token."""
+    from augury.sampling import draw_sampled
+
+    k = cpu_kernels.elementwise()
+    assert k is not None, "the elementwise kernels did not build or load on a machine that can build them"
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(3, v, generator=g) * 3
+    x[1, ::3] = float("-inf")  # a grammar's mask: those tokens have no mass
+    for t in (0.3, 1.0, 1.7):
+        us = torch.rand(150, dtype=torch.float64, generator=g).tolist() + [0.0, 1.0 - 2 ** -53]
+        for r in range(3):
+            p = torch.softmax(x[r].double() / t, -1).numpy()
+            cdf = np.cumsum(p)
+            got = k.draw_temperature(x[r : r + 1].expand(len(us), v).contiguous(), [t] * len(us), us)
+            for u, tok in zip(us, got):
+                assert p[tok] > 0
+                assert (cdf[tok - 1] if tok else 0.0) - 1e-6 <= u * cdf[-1] <= cdf[tok] + 1e-6, (u, tok)
+        both = k.draw_temperature(x, [t, 0.5, 2.0], us[:3])
+        assert both == [k.draw_temperature(x[r : r + 1], [[t, 0.5, 2.0][r]], [us[r]])[0] for r in range(3)]
+        assert draw_sampled(x, [t, 0.5, 2.0], [None, 0, v], [1.0] * 3, [0.0] * 3, us[:3]) == both
+
+
+@needs_kernel
+def test_temperature_draw_kernel_no_mass_and_bad_input() -> None:
+    k = cpu_kernels.elementwise()
+    assert k is not None, "the elementwise kernels did not build or load on a machine that can build them"
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[-inf] * 9, [0.0, nan] + [0.0] * 7, [0.0, inf] + [0.0] * 7,
+                         [0.0, 0.0] + [-inf] * 7, [5.0] + [-inf] * 8])
+    # no finite logit, a NaN, +inf (torch's softmax gives NaN): no token; u next to 1: the last token
+    # with mass; one finite logit: that token
+    assert k.draw_temperature(rows, [1.0] * 5, [0.5, 0.5, 0.5, 1.0 - 2 ** -53, 0.999]) == [-1, -1, -1, 1, 0]
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        k.draw_temperature(rows[:1], [0.0], [0.5])
+    with pytest.raises(ValueError, match="float32 CPU"):
+        k.draw_temperature(rows[:1].double(), [1.0], [0.5])
+
+
 def test_training_keeps_gradients_through_norm_and_rotary() -> None:
     """The per-row kernels do not differentiate, so a module that trains (the draft head) runs
     torch's operators: its gradients reach the norm weight and the rotated input."""

@@ -10,6 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from augury import sampling
+from augury.cpu import kernels as cpu_kernels
 from augury.speculative import verifier
 from augury.speculative.tree import DraftTree, chain_tree, depth_from_parents
 from augury.speculative.verifier import apply_sampling_filters, verify
@@ -228,11 +230,16 @@ def test_sampling_is_lossless_with_repeated_sibling_tokens() -> None:
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 
-_exact_draw = verifier.draw_rows
+_exact_draw = sampling.draw_rows
+_exact_kernel_draw = cpu_kernels.Elementwise.draw_temperature
 
 
 def _biased_draw_squared(probs, uniforms):  # the uniform squared: low CDF mass drawn too often
     return _exact_draw(probs, [u * u for u in uniforms])
+
+
+def _biased_kernel_draw_squared(self, logits, temperatures, uniforms):  # the same in the kernel's draw
+    return _exact_kernel_draw(self, logits, temperatures, [u * u for u in uniforms])
 
 
 def _biased_one_uniform_per_step(uniforms, row, level):  # every position of a step at one uniform
@@ -243,22 +250,27 @@ def _biased_accept_first_child(kid_toks, drawn):  # takes the first child whenev
     return [0 if t in kt else -1 for kt, t in zip(kid_toks, drawn)]
 
 
-_exact_filters = verifier.apply_sampling_filters
+_exact_filters = sampling.apply_sampling_filters
 
 
 def _biased_no_temperature(logits, temperature, top_k=None, top_p=1.0, min_p=0.0):  # temperature forgotten
     return _exact_filters(logits, 1.0, top_k, top_p, min_p)
 
 
-@pytest.mark.parametrize("name,patch", [
-    ("draw_rows", _biased_draw_squared),
-    ("_uniform_at", _biased_one_uniform_per_step),
-    ("_match", _biased_accept_first_child),
-    ("apply_sampling_filters", _biased_no_temperature),
+# verify draws through sampling.draw_sampled: top-p rows by draw_rows of apply_sampling_filters (looked
+# up in augury.sampling), temperature-only rows by the kernel's draw where it runs
+@pytest.mark.parametrize("where,name,patch,top_p", [
+    (sampling, "draw_rows", _biased_draw_squared, 0.8),
+    (verifier, "_uniform_at", _biased_one_uniform_per_step, 0.8),
+    (verifier, "_match", _biased_accept_first_child, 0.8),
+    (sampling, "apply_sampling_filters", _biased_no_temperature, 0.8),
+    pytest.param(cpu_kernels.Elementwise, "draw_temperature", _biased_kernel_draw_squared, 1.0,
+                 marks=pytest.mark.skipif(cpu_kernels.elementwise() is None, reason="augury's CPU kernels do not run here")),
 ])
-def test_biased_verifiers_fail_the_test(monkeypatch: pytest.MonkeyPatch, name: str, patch: Callable) -> None:
-    monkeypatch.setattr(verifier, name, patch)
-    p_first, p_joint = _pvalues(1.5, None, 0.8, b=4000)
+def test_biased_verifiers_fail_the_test(monkeypatch: pytest.MonkeyPatch, where, name: str, patch: Callable,
+                                        top_p: float) -> None:
+    monkeypatch.setattr(where, name, patch)
+    p_first, p_joint = _pvalues(1.5, None, top_p, b=4000)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
 
 

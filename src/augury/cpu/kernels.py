@@ -44,6 +44,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -569,6 +570,30 @@ class Elementwise:
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
         self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
+        self._draw = _bind(self._lib, "augury_draw_temperature", [_P, _I64, _I64, _P, _P, _P])
+
+    def draw_temperature(self, logits: torch.Tensor, temperatures: Sequence[float],
+                         uniforms: Sequence[float]) -> list[int]:
+        """logits float32 CPU [R, V] -> one token per row drawn from softmax(logits / t) at the row's
+        uniform (csrc/elementwise.cpp says how, in which order), -1 where the row has a NaN or +inf
+        logit or no finite one. Each t > 0."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
+                or len(temperatures) != logits.shape[0] or len(uniforms) != logits.shape[0]:
+            raise ValueError(f"draw_temperature wants float32 CPU [R, V] logits and R temperatures and "
+                             f"uniforms, got {logits.dtype} {tuple(logits.shape)} on {logits.device}, "
+                             f"{len(temperatures)} and {len(uniforms)}")
+        if any(not t > 0.0 for t in temperatures):
+            raise ValueError(f"draw_temperature: temperatures must be > 0, got {list(temperatures)}")
+        x = logits.contiguous()
+        r, v = x.shape
+        t = torch.tensor(temperatures, dtype=torch.float32)
+        u = torch.tensor(uniforms, dtype=torch.float64)
+        out = torch.empty(r, dtype=torch.int64)
+        if r and v:
+            self._draw(x.data_ptr(), r, v, t.data_ptr(), u.data_ptr(), out.data_ptr())
+        else:
+            out.fill_(-1)
+        return out.tolist()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from augury.core.request import Request
-from augury.sampling import apply_sampling_filters, draw_rows, greedy_ids
+from augury.sampling import draw_sampled, greedy_ids
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -12,18 +12,24 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     its next output token at that position's uniform (Request.uniforms), as verification does. A
     request's shaper (penalties, logit bias, bad words, a grammar's mask) shapes a copy of its row
     first; `logits` itself is left raw (log-probabilities read it)."""
-    # greedy rows take their shaper's greedy token (LogitsShaper.greedy); sampled ones draw from a shaped copy
-    greedy = [r.shaper if r.shaper is not None and r.params.temperature == 0.0 else None for r in requests]
-    shaped = [i for i, r in enumerate(requests) if r.shaper is not None and r.params.temperature != 0.0]
-    if shaped:
-        logits = logits.clone()
-        for i in shaped:
-            requests[i].shaper.apply(logits[i])
-    out = greedy_ids(logits, greedy)
-    rows = [i for i, req in enumerate(requests) if req.params.temperature != 0.0]
-    for i in rows:
-        req, p = requests[i], requests[i].params
-        # [1, V]; request generators live on the CPU, so draw there
-        probs = apply_sampling_filters(logits[i : i + 1], p.temperature, p.top_k, p.top_p, p.min_p).cpu()
-        out[i] = draw_rows(probs, req.uniforms(len(req.output_token_ids), 1))[0]
+    greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0.0]
+    sampled = [i for i, r in enumerate(requests) if r.params.temperature != 0.0]
+    out = [0] * len(requests)
+    if greedy:  # greedy rows take their shaper's greedy token (LogitsShaper.greedy), the raw argmax else
+        rows = logits if len(greedy) == len(requests) else logits[greedy]
+        for i, tok in zip(greedy, greedy_ids(rows, [requests[i].shaper for i in greedy])):
+            out[i] = tok
+    if sampled:  # each draws at its position's uniform from a shaped copy of its row
+        shaped = [a for a, i in enumerate(sampled) if requests[i].shaper is not None]
+        rows = logits if len(sampled) == len(requests) else logits[sampled]
+        if shaped:
+            rows = rows.clone() if rows is logits else rows  # (an indexed subset is a copy already)
+            for a in shaped:
+                requests[sampled[a]].shaper.apply(rows[a])
+        ps = [requests[i].params for i in sampled]
+        drawn = draw_sampled(rows, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                             [p.min_p for p in ps],
+                             [requests[i].uniforms(len(requests[i].output_token_ids), 1)[0] for i in sampled])
+        for i, tok in zip(sampled, drawn):
+            out[i] = tok
     return out

@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows, greedy_ids
+from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows, draw_sampled, greedy_ids
 from augury.speculative.tree import DraftTree
 
 
@@ -143,19 +143,23 @@ def _match(kid_toks: list[list[int]], drawn: list[int]) -> list[int]:
     return [kt.index(t) if t in kt else -1 for kt, t in zip(kid_toks, drawn)]
 
 
-def _sampling_step(uniforms: Sequence[Sequence[float]]) -> _Step:
+def _sampling_step(uniforms: Sequence[Sequence[float]],
+                   draw: Callable[[list[int], torch.Tensor, list[float]], list[int]] | None = None) -> _Step:
     """Sample, then match: at a visited node of depth d, the target's token for that position is
-    drawn from the node's distribution at the request's uniform for its d-th new position (draw_rows,
-    exactly as a plain decode step draws it); the child carrying that token is accepted, and where
-    none does, the drawn token is the bonus. Every position's committed token is thus the target's
-    own sample given the tokens before it, at a uniform used for that position alone: the output is
-    distributed exactly as plain sampling, and with the same uniforms it is the same tokens, whatever
-    the tree. (With deterministic drafts this accepts a child x with probability p(x), as the
-    speculative-sampling rule min(1, p/q) with one-hot q and residual resampling does.)"""
+    drawn from the node's distribution at the request's uniform for its d-th new position (by
+    `draw(active, rows, uniforms)`, exactly as a plain decode step draws it: verify's draw_sampled of
+    the rows' shaped logits; None: the rows are filtered probabilities, draw_rows); the child carrying
+    that token is accepted, and where none does, the drawn token is the bonus. Every position's
+    committed token is thus the target's own sample given the tokens before it, at a uniform used for
+    that position alone: the output is distributed exactly as plain sampling, and with the same
+    uniforms it is the same tokens, whatever the tree. (With deterministic drafts this accepts a
+    child x with probability p(x), as the speculative-sampling rule min(1, p/q) with one-hot q and
+    residual resampling does.)"""
     level = [0]
 
-    def step(active: list[int], kid_toks: list[list[int]], probs: torch.Tensor) -> tuple[list[int], list[int]]:
-        drawn = draw_rows(probs, [_uniform_at(uniforms, b, level[0]) for b in active])
+    def step(active: list[int], kid_toks: list[list[int]], rows: torch.Tensor) -> tuple[list[int], list[int]]:
+        us = [_uniform_at(uniforms, b, level[0]) for b in active]
+        drawn = draw(active, rows, us) if draw is not None else draw_rows(rows, us)
         level[0] += 1
         return _match(kid_toks, drawn), drawn
 
@@ -197,14 +201,14 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
         else:
             res = _walk(tree, greedy, raw, _greedy_shaped_step(shapers), shapers) if greedy else {}
         if sampled:
-            def probs_at(bs: list[int], ns: list[int]) -> torch.Tensor:  # [A, V]
-                return apply_sampling_filters(at(bs, ns), [temperatures[b] for b in bs], [top_ks[b] for b in bs],
-                                              [top_ps[b] for b in bs], [min_ps[b] for b in bs])
+            def draw(bs: list[int], rows: torch.Tensor, us: list[float]) -> list[int]:  # rows [A, V] shaped logits
+                return draw_sampled(rows, [temperatures[b] for b in bs], [top_ks[b] for b in bs],
+                                    [top_ps[b] for b in bs], [min_ps[b] for b in bs], us)
             per_row = list(uniforms) if uniforms is not None else [None] * b_all
             missing = [b for b in sampled if per_row[b] is None]
             if missing:
                 raise ValueError(f"verify: sampled rows {missing} need their uniforms (Request.uniforms)")
-            res.update(_walk(tree, sampled, probs_at, _sampling_step(per_row), shapers))
+            res.update(_walk(tree, sampled, at, _sampling_step(per_row, draw), shapers))
     finally:
         for s in shapers or ():
             if s is not None:
