@@ -489,6 +489,23 @@ def test_temperature_draw_kernel_inverts_the_softmax_cdf(v) -> None:
         assert draw_sampled(x, [t, 0.5, 2.0], [None, 0, v], [1.0] * 3, [0.0] * 3, us[:3]) == both
 
 
+def test_draw_sampled_takes_each_row_by_its_own_filters() -> None:
+    """A batch mixing temperature-only rows (the kernel's draw where it runs), top-k / top-p / min-p rows
+    and a temperature-0 row (torch's filters and draw_rows: the one-hot argmax) gives each row the token
+    it gets alone; the filtered rows the token draw_rows picks from apply_sampling_filters."""
+    from augury.sampling import apply_sampling_filters, draw_rows, draw_sampled
+
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(9)) * 2
+    args = ([1.0, 0.8, 1.2, 0.0, 0.7], [None, 40, None, None, None], [1.0, 1.0, 0.9, 1.0, 1.0],
+            [0.0, 0.0, 0.0, 0.0, 0.05], [0.3, 0.6, 0.9, 0.5, 0.2])
+    got = draw_sampled(x, *args)
+    assert got == [draw_sampled(x[r : r + 1], *([a[r]] for a in args))[0] for r in range(5)]
+    for r in (1, 2, 4):
+        probs = apply_sampling_filters(x[r : r + 1], args[0][r], args[1][r], args[2][r], args[3][r])
+        assert got[r] == draw_rows(probs, [args[4][r]])[0]
+    assert got[3] == int(x[3].argmax())
+
+
 @needs_kernel
 def test_temperature_draw_kernel_no_mass_and_bad_input() -> None:
     k = cpu_kernels.elementwise()

@@ -215,7 +215,8 @@ def draw_sampled(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
     its float64 block sums, one pass over the row); every other row is draw_rows of
     apply_sampling_filters' probabilities. NO_TOKEN where a row has no mass."""
     n = logits.shape[0]
-    plain = [i for i in range(n) if (top_k[i] is None or top_k[i] <= 0 or top_k[i] >= logits.shape[-1])
+    plain = [i for i in range(n) if temperature[i] > 0.0 and (top_k[i] is None or top_k[i] <= 0
+                                                             or top_k[i] >= logits.shape[-1])
              and top_p[i] >= 1.0 and min_p[i] <= 0.0]
     kernel = _draw_kernel() if plain and logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     out = [NO_TOKEN] * n
