@@ -12,9 +12,10 @@ from scipy.stats import chisquare
 
 from augury import sampling
 from augury.cpu import kernels as cpu_kernels
+from augury.sampling import apply_sampling_filters
 from augury.speculative import verifier
 from augury.speculative.tree import DraftTree, chain_tree, depth_from_parents
-from augury.speculative.verifier import apply_sampling_filters, verify
+from augury.speculative.verifier import verify
 from speculative_helpers import fresh_uniforms, verify_greedy, verify_sampling
 
 

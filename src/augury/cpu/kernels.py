@@ -562,7 +562,8 @@ class AttentionKernel:
 
 
 class Elementwise:
-    """The loaded per-row kernels (csrc/elementwise.cpp): RMSNorm of a float32 stream, rotary."""
+    """The loaded per-row kernels (csrc/elementwise.cpp): RMSNorm of a float32 stream, rotary, silu(gate) *
+    up, and the sampler's draw of a temperature-only row."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-from augury.sampling import LogitsShaper, apply_sampling_filters, argmax_ids, draw_rows, draw_sampled, greedy_ids
+from augury.sampling import LogitsShaper, argmax_ids, draw_rows, draw_sampled, greedy_ids
 from augury.speculative.tree import DraftTree
 
 

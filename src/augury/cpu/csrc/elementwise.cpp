@@ -1,6 +1,7 @@
 // augury's CPU kernels for small per-row operations of a layer (models/layers.py), where torch's
 // several operators per call cost more than the arithmetic at decode sizes: RMSNorm of the float32
-// residual stream, the rotary embedding and the MLP's silu(gate) * up. Each computes in float32 and
+// residual stream, the rotary embedding and the MLP's silu(gate) * up (and, at the end, the sampler's
+// draw of a temperature-only row). Each computes in float32 and
 // rounds its output once; every row on its own, in one fixed order (threads split rows past 64), so
 // rows are batch-invariant. The row functions live in elementwise.h (forward.cpp runs the same).
 #include <cmath>
@@ -45,9 +46,9 @@ extern "C" void augury_silu_mul(const void *gu, int64_t rows, int64_t n, int bf1
 // One token per row of logits [rows, V] float32 (raw, or shaped by the request: a grammar's -inf
 // entries included), drawn from softmax(x / t) at the row's uniform u in [0, 1): the sampler's path
 // for rows whose only filter is a temperature t > 0 (sampling.draw_sampled), in place of torch's
-// divide, softmax, float64 cumulative sum and search (~0.3 ms a 49,152-token row on the Zen 5 VM,
-// most of it new tensors and passes over a row the output layer's threads left in another core's
-// cache, against ~0.05 ms here). Per row, in one fixed order on every ISA level (8-lane AVX2 code
+// divide, softmax, float64 cumulative sum and search (in the engine on the Zen 5 VM, 0.38 ms a
+// 49,152-token row with an unused argmax, against 0.09 ms here, most of it the first read of a row
+// the output layer's threads left in another core's cache; 0.04 ms on a row already in cache). Per row, in one fixed order on every ISA level (8-lane AVX2 code
 // only): m = max_j x_j; y_j = x_j / t, p_j = exp8(y_j - m / t), stored in scratch (max(x) / t is max(x / t):
 // division rounds monotonically); block sums of 256 p's in float64 (8 lanes widened into two
 // 4-lane sums, then (s0 + s2) + (s1 + s3), a tail after them in order); the running total over
@@ -59,8 +60,10 @@ extern "C" void augury_silu_mul(const void *gu, int64_t rows, int64_t n, int bf1
 extern "C" void augury_draw_temperature(const float *logits, int64_t rows, int64_t V, const float *temps,
                                         const double *us, int64_t *out) {
     constexpr int64_t BLOCK = 256;
-    std::vector<float> p(static_cast<size_t>(V));
-    std::vector<double> sums(static_cast<size_t>((V + BLOCK - 1) / BLOCK));
+    static thread_local std::vector<float> p;  // kept between calls: a fresh 200 KB buffer each call
+    static thread_local std::vector<double> sums;  // could come from mmap, page faults and all
+    p.resize(static_cast<size_t>(V));
+    sums.resize(static_cast<size_t>((V + BLOCK - 1) / BLOCK));
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * V;
         const float t = temps[r];
