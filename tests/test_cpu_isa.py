@@ -101,5 +101,7 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
         outs[lv] += [at.attend_rows(*case) for case in heads]
         ew = cpu_kernels.Elementwise(build.build("elementwise", lv))  # the sampler's draw: its exp and sums
         outs[lv].append(torch.tensor(ew.draw_temperature(draw_rows.expand(64, -1).contiguous(), [0.7] * 64, draw_us)))
+        outs[lv].append(torch.tensor(ew.draw(draw_rows.expand(64, -1).contiguous(), [0.9] * 64, [None, 50] * 32,
+                                             [0.9, 0.95] * 32, [0.0, 0.01] * 32, draw_us)))
     for a, b in zip(outs["avx2"], outs[level]):
         assert torch.equal(a, b)

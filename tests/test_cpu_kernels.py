@@ -489,20 +489,52 @@ def test_temperature_draw_kernel_inverts_the_softmax_cdf(v) -> None:
         assert draw_sampled(x, [t, 0.5, 2.0], [None, 0, v], [1.0] * 3, [0.0] * 3, us[:3]) == both
 
 
+def _in_cdf_interval(tok: int, u: float, q: np.ndarray) -> bool:
+    """q: a row's filtered probabilities (float64): tok has mass and its CDF interval holds u, to rounding."""
+    cdf = np.cumsum(q)
+    return q[tok] > 0 and (cdf[tok - 1] if tok else 0.0) - 1e-5 <= u * cdf[-1] <= cdf[tok] + 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("v", [9, 257, 3000, 49152])
+@pytest.mark.parametrize("t,top_k,top_p,min_p", [(1.0, None, 0.9, 0.0), (0.7, 40, 1.0, 0.0), (1.2, None, 1.0, 0.05),
+                                                 (0.8, 50, 0.95, 0.02), (1.0, 3, 0.5, 0.0), (1.0, None, 0.3, 0.0)])
+def test_filtered_draw_kernel_draws_from_the_filters_distribution(v, t, top_k, top_p, min_p) -> None:
+    """The kernel's top-k, min-p and top-p keep what apply_sampling_filters keeps (each drawn token has
+    mass there) and its draw inverts that distribution's CDF, on peaked and flat rows and masked ones."""
+    k = cpu_kernels.elementwise()
+    assert k is not None, "the elementwise kernels did not build or load on a machine that can build them"
+    g = torch.Generator().manual_seed(v)
+    for scale in (1.0, 3.0, 8.0):
+        x = torch.randn(2, v, generator=g) * scale
+        x[1, ::3] = float("-inf")
+        us = torch.rand(60, dtype=torch.float64, generator=g).tolist()
+        for r in range(2):
+            q = apply_filters_f64(x[r], t, top_k, top_p, min_p)
+            got = k.draw(x[r : r + 1].expand(len(us), v).contiguous(), [t] * len(us), [top_k] * len(us),
+                         [top_p] * len(us), [min_p] * len(us), us)
+            assert all(_in_cdf_interval(tok, u, q) for u, tok in zip(us, got)), (scale, r)
+
+
+def apply_filters_f64(row: torch.Tensor, t, top_k, top_p, min_p) -> np.ndarray:
+    from augury.sampling import apply_sampling_filters
+
+    return apply_sampling_filters(row[None].double(), t, top_k, top_p, min_p)[0].numpy()
+
+
 def test_draw_sampled_takes_each_row_by_its_own_filters() -> None:
-    """A batch mixing temperature-only rows (the kernel's draw where it runs), top-k / top-p / min-p rows
-    and a temperature-0 row (torch's filters and draw_rows: the one-hot argmax) gives each row the token
-    it gets alone; the filtered rows the token draw_rows picks from apply_sampling_filters."""
-    from augury.sampling import apply_sampling_filters, draw_rows, draw_sampled
+    """A batch mixing temperature-only, top-k, top-p and min-p rows and a temperature-0 row gives each
+    row the token it gets alone; each sampled row's token is one its filters keep, at its uniform;
+    the temperature-0 row (torch's filters: the one-hot argmax) its argmax."""
+    from augury.sampling import draw_sampled
 
     x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(9)) * 2
     args = ([1.0, 0.8, 1.2, 0.0, 0.7], [None, 40, None, None, None], [1.0, 1.0, 0.9, 1.0, 1.0],
             [0.0, 0.0, 0.0, 0.0, 0.05], [0.3, 0.6, 0.9, 0.5, 0.2])
     got = draw_sampled(x, *args)
     assert got == [draw_sampled(x[r : r + 1], *([a[r]] for a in args))[0] for r in range(5)]
-    for r in (1, 2, 4):
-        probs = apply_sampling_filters(x[r : r + 1], args[0][r], args[1][r], args[2][r], args[3][r])
-        assert got[r] == draw_rows(probs, [args[4][r]])[0]
+    for r in (0, 1, 2, 4):
+        assert _in_cdf_interval(got[r], args[4][r], apply_filters_f64(x[r], *(a[r] for a in args[:4])))
     assert got[3] == int(x[3].argmax())
 
 

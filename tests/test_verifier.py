@@ -232,15 +232,15 @@ def test_sampling_is_lossless_with_repeated_sibling_tokens() -> None:
 
 
 _exact_draw = sampling.draw_rows
-_exact_kernel_draw = cpu_kernels.Elementwise.draw_temperature
+_exact_kernel_draw = cpu_kernels.Elementwise.draw
 
 
 def _biased_draw_squared(probs, uniforms):  # the uniform squared: low CDF mass drawn too often
     return _exact_draw(probs, [u * u for u in uniforms])
 
 
-def _biased_kernel_draw_squared(self, logits, temperatures, uniforms):  # the same in the kernel's draw
-    return _exact_kernel_draw(self, logits, temperatures, [u * u for u in uniforms])
+def _biased_kernel_draw_squared(self, logits, temperatures, top_ks, top_ps, min_ps, uniforms):  # the same, the kernel's
+    return _exact_kernel_draw(self, logits, temperatures, top_ks, top_ps, min_ps, [u * u for u in uniforms])
 
 
 def _biased_one_uniform_per_step(uniforms, row, level):  # every position of a step at one uniform
@@ -258,21 +258,39 @@ def _biased_no_temperature(logits, temperature, top_k=None, top_p=1.0, min_p=0.0
     return _exact_filters(logits, 1.0, top_k, top_p, min_p)
 
 
-# verify draws through sampling.draw_sampled: top-p rows by draw_rows of apply_sampling_filters (looked
-# up in augury.sampling), temperature-only rows by the kernel's draw where it runs
-@pytest.mark.parametrize("where,name,patch,top_p", [
-    (sampling, "draw_rows", _biased_draw_squared, 0.8),
-    (verifier, "_uniform_at", _biased_one_uniform_per_step, 0.8),
-    (verifier, "_match", _biased_accept_first_child, 0.8),
-    (sampling, "apply_sampling_filters", _biased_no_temperature, 0.8),
-    pytest.param(cpu_kernels.Elementwise, "draw_temperature", _biased_kernel_draw_squared, 1.0,
-                 marks=pytest.mark.skipif(cpu_kernels.elementwise() is None, reason="augury's CPU kernels do not run here")),
+def _biased_kernel_no_temperature(self, logits, temperatures, top_ks, top_ps, min_ps, uniforms):
+    return _exact_kernel_draw(self, logits, [1.0] * len(temperatures), top_ks, top_ps, min_ps, uniforms)
+
+
+_KERNEL = pytest.mark.skipif(cpu_kernels.elementwise() is None, reason="augury's CPU kernels do not run here")
+
+
+# verify draws through sampling.draw_sampled: by augury's kernel where it runs (Elementwise.draw), else
+# by draw_rows of apply_sampling_filters (looked up in augury.sampling); the torch path's controls run
+# with the kernel off
+@pytest.mark.parametrize("where,name,patch,kernel", [
+    (sampling, "draw_rows", _biased_draw_squared, False),
+    (verifier, "_uniform_at", _biased_one_uniform_per_step, False),
+    (verifier, "_match", _biased_accept_first_child, False),
+    (sampling, "apply_sampling_filters", _biased_no_temperature, False),
+    pytest.param(cpu_kernels.Elementwise, "draw", _biased_kernel_draw_squared, True, marks=_KERNEL),
+    pytest.param(cpu_kernels.Elementwise, "draw", _biased_kernel_no_temperature, True, marks=_KERNEL),
 ])
 def test_biased_verifiers_fail_the_test(monkeypatch: pytest.MonkeyPatch, where, name: str, patch: Callable,
-                                        top_p: float) -> None:
+                                        kernel: bool) -> None:
     monkeypatch.setattr(where, name, patch)
-    p_first, p_joint = _pvalues(1.5, None, top_p, b=4000)
+    if not kernel:
+        monkeypatch.setattr(sampling, "_draw_kernel", lambda: None)
+    p_first, p_joint = _pvalues(1.5, None, 0.8, b=4000)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
+
+
+def test_sampling_is_lossless_through_torchs_filters_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path where augury's kernels do not run (draw_rows of apply_sampling_filters)."""
+    monkeypatch.setattr(sampling, "_draw_kernel", lambda: None)
+    for args in [(1.0, None, 1.0), (1.0, 4, 0.7)]:
+        p_first, p_joint = _pvalues(*args)
+        assert p_first > 1e-3 and p_joint > 1e-3, (args, p_first, p_joint)
 
 
 # ------------------------------------------------------------------------ sampling, determinism

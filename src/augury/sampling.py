@@ -197,8 +197,8 @@ def apply_sampling_filters(logits: torch.Tensor, temperature, top_k=None, top_p=
 
 
 def _draw_kernel():
-    """augury's CPU kernel for temperature-only draws (csrc/elementwise.cpp), or None where kernels
-    cannot run (AUGURY_CPU_KERNELS=0, no AVX2): every row then goes through torch."""
+    """augury's CPU kernel for sampled draws (csrc/elementwise.cpp), or None where kernels cannot run
+    (AUGURY_CPU_KERNELS=0, no AVX2): every row then goes through torch."""
     from augury.cpu import kernels as cpu_kernels
 
     return cpu_kernels.elementwise()
@@ -209,23 +209,22 @@ def draw_sampled(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
     """One token per row of logits [A, V] (raw, or shaped by the row's request) at that row's
     uniform, each row with its own temperature (> 0), top_k, top_p and min_p: the one draw of a
     sampled position, for plain decoding (engine/sampler.py) and verification (speculative/
-    verifier.py) alike, so both draw the same token from the same row and uniform. A float32 CPU
-    row filtered by its temperature alone (top_k None or <= 0, top_p 1, min_p 0) goes through
-    augury's kernel where it runs (Elementwise.draw_temperature: softmax(x / t) by its own exp and
-    its float64 block sums, one pass over the row); every other row is draw_rows of
-    apply_sampling_filters' probabilities. NO_TOKEN where a row has no mass."""
+    verifier.py) alike, so both draw the same token from the same row and uniform. Float32 CPU rows
+    go through augury's kernel where it runs (Elementwise.draw: the filters of
+    apply_sampling_filters, in its order, by the kernel's own exp, float64 block sums and top-p edge,
+    a few passes over the row and no sort of it); other rows (another device or dtype, kernels off)
+    are draw_rows of apply_sampling_filters' probabilities. NO_TOKEN where a row has no mass."""
     n = logits.shape[0]
-    plain = [i for i in range(n) if temperature[i] > 0.0 and (top_k[i] is None or top_k[i] <= 0
-                                                             or top_k[i] >= logits.shape[-1])
-             and top_p[i] >= 1.0 and min_p[i] <= 0.0]
-    kernel = _draw_kernel() if plain and logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    fast = [i for i in range(n) if temperature[i] > 0.0]
+    kernel = _draw_kernel() if fast and logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     out = [NO_TOKEN] * n
     if kernel is not None:
-        rows = logits if len(plain) == n else logits[plain]
-        for i, tok in zip(plain, kernel.draw_temperature(rows, [temperature[i] for i in plain],
-                                                          [uniforms[i] for i in plain])):
+        rows = logits if len(fast) == n else logits[fast]
+        drawn = kernel.draw(rows, [temperature[i] for i in fast], [top_k[i] for i in fast], [top_p[i] for i in fast],
+                            [min_p[i] for i in fast], [uniforms[i] for i in fast])
+        for i, tok in zip(fast, drawn):
             out[i] = tok if tok >= 0 else NO_TOKEN
-        kept = set(plain)
+        kept = set(fast)
         rest = [i for i in range(n) if i not in kept]
     else:
         rest = list(range(n))

@@ -563,7 +563,7 @@ class AttentionKernel:
 
 class Elementwise:
     """The loaded per-row kernels (csrc/elementwise.cpp): RMSNorm of a float32 stream, rotary, silu(gate) *
-    up, and the sampler's draw of a temperature-only row."""
+    up, and the sampler's draw of a sampled row."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -571,30 +571,43 @@ class Elementwise:
         self._rmsnorm = _bind(self._lib, "augury_rmsnorm", [_P, _I64, _I64, _P, _I32, ctypes.c_float, _P, _I32, _I32])
         self._rope = _bind(self._lib, "augury_rope", [_P, _I64, _I64, _I64, _P, _P, _I32, _P, _I32])
         self._silu_mul = _bind(self._lib, "augury_silu_mul", [_P, _I64, _I64, _I32, _P, _I32])
-        self._draw = _bind(self._lib, "augury_draw_temperature", [_P, _I64, _I64, _P, _P, _P])
+        self._draw = _bind(self._lib, "augury_draw_filtered", [_P, _I64, _I64, _P, _P, _P, _P, _P, _P])
 
-    def draw_temperature(self, logits: torch.Tensor, temperatures: Sequence[float],
-                         uniforms: Sequence[float]) -> list[int]:
-        """logits float32 CPU [R, V] -> one token per row drawn from softmax(logits / t) at the row's
-        uniform (csrc/elementwise.cpp says how, in which order), -1 where the row has a NaN or +inf
-        logit or no finite one. Each t > 0."""
+    def draw(self, logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int | None],
+             top_ps: Sequence[float], min_ps: Sequence[float], uniforms: Sequence[float]) -> list[int]:
+        """logits float32 CPU [R, V] -> one token per row drawn at the row's uniform from softmax(logits
+        / t) under the row's top-k (None or <= 0: none), min-p and top-p, as
+        sampling.apply_sampling_filters filters it (csrc/elementwise.cpp says how, in which order); -1
+        where the row has a NaN or +inf logit or no finite one. Each t > 0."""
+        r = logits.shape[0] if logits.dim() == 2 else -1
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
-                or len(temperatures) != logits.shape[0] or len(uniforms) != logits.shape[0]:
-            raise ValueError(f"draw_temperature wants float32 CPU [R, V] logits and R temperatures and "
-                             f"uniforms, got {logits.dtype} {tuple(logits.shape)} on {logits.device}, "
-                             f"{len(temperatures)} and {len(uniforms)}")
+                or not len(temperatures) == len(top_ks) == len(top_ps) == len(min_ps) == len(uniforms) == r:
+            raise ValueError(f"draw wants float32 CPU [R, V] logits and R temperatures, top-ks, top-ps, "
+                             f"min-ps and uniforms, got {logits.dtype} {tuple(logits.shape)} on "
+                             f"{logits.device}, {len(temperatures)}, {len(top_ks)}, {len(top_ps)}, "
+                             f"{len(min_ps)} and {len(uniforms)}")
         if any(not t > 0.0 for t in temperatures):
-            raise ValueError(f"draw_temperature: temperatures must be > 0, got {list(temperatures)}")
+            raise ValueError(f"draw: temperatures must be > 0, got {list(temperatures)}")
         x = logits.contiguous()
-        r, v = x.shape
+        v = x.shape[1]
         t = torch.tensor(temperatures, dtype=torch.float32)
+        k = torch.tensor([0 if kk is None or kk <= 0 or kk >= v else kk for kk in top_ks], dtype=torch.int64)
+        tp = torch.tensor(top_ps, dtype=torch.float32)
+        mp = torch.tensor(min_ps, dtype=torch.float32)
         u = torch.tensor(uniforms, dtype=torch.float64)
         out = torch.empty(r, dtype=torch.int64)
         if r and v:
-            self._draw(x.data_ptr(), r, v, t.data_ptr(), u.data_ptr(), out.data_ptr())
+            self._draw(x.data_ptr(), r, v, t.data_ptr(), k.data_ptr(), tp.data_ptr(), mp.data_ptr(), u.data_ptr(),
+                       out.data_ptr())
         else:
             out.fill_(-1)
         return out.tolist()
+
+    def draw_temperature(self, logits: torch.Tensor, temperatures: Sequence[float],
+                         uniforms: Sequence[float]) -> list[int]:
+        """`draw` with the temperature alone (no top-k, top-p or min-p)."""
+        n = len(temperatures)
+        return self.draw(logits, temperatures, [None] * n, [1.0] * n, [0.0] * n, uniforms)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
