@@ -189,6 +189,8 @@ def test_bench_speculative_rows_with_tree_shapes(tmp_path) -> None:
     (["bench", "--systems", "augury,augury@int3", "--out", "{tmp}"], ["@MODE", "augury@int3"]),
     (["bench", "--output-len", "0"], ["--output-len"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts"]),
+    (["bench", "--temperature", "0.8", "--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["bench", "--top-p", "0.9"], ["--top-p", "--temperature"]),
 ])
 def test_bench_errors_are_one_line(argv, words, tmp_path, capsys) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -371,6 +373,25 @@ def test_bench_systems_take_a_quantisation_mode(tiny_checkpoint, tmp_path) -> No
     system = system_factory("augury-off@int8")(settings)
     assert system.name == "augury-off@int8" and system.llm.engine.model.quantization == "int8"
     assert system_factory("augury-off")(settings).llm.engine.model.quantization == "none"  # dense checkpoint
+
+
+def test_bench_top_p_reaches_every_sampled_request(tiny_checkpoint) -> None:
+    """--top-p: augury's systems sample each request with that nucleus (seeded), as the peers do."""
+    from augury.bench import SystemSettings, system_factory
+
+    settings = SystemSettings(str(tiny_checkpoint("llama")), "float32", "cpu", 1, 64, temperature=0.8, top_p=0.5)
+    system = system_factory("augury-off")(settings)
+    seen = []
+    generate = system.llm.generate
+
+    def spy(prompts, params, **kw):
+        seen.extend(params)
+        return generate(prompts, params, **kw)
+
+    system.llm.generate = spy
+    rows = system.generate([[5, 6, 7], [8, 9]], 4)
+    assert [len(r) for r in rows] == [4, 4]
+    assert [(p.temperature, p.top_p, p.seed) for p in seen] == [(0.8, 0.5, 0), (0.8, 0.5, 1)]
 
 
 def test_bench_mixed_prompts_and_the_comparison_systems(tiny_checkpoint, tmp_path) -> None:

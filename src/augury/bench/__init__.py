@@ -46,6 +46,7 @@ class SystemSettings:
     # --history warm: per prompt (its token ids), the conversation before its last message (a prefix of
     # the prompt), which augury's systems prefill untimed before each timed run (AugurySystem.prepare)
     histories: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    top_p: float = 1.0  # sampled runs: every system keeps this nucleus (1: no top-p)
 
 
 class System(Protocol):
@@ -88,6 +89,7 @@ class AugurySystem:
         kwargs.update(engine_kwargs)
         self.llm = LLM(settings.model, **kwargs)
         self.temperature = settings.temperature
+        self.top_p = settings.top_p
         self.first_token_times: list[float | None] = []  # the last generate call's, per prompt (the engine's)
         self.schemas = dict(settings.json_schemas) if constrained else {}
         self._answered: set[tuple[int, ...]] = set()  # prompts answered since the suffix cache was emptied
@@ -169,7 +171,8 @@ class AugurySystem:
         from augury.sampling_params import SamplingParams, StructuredOutputsParams
 
         t = self.temperature
-        params = [SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=not stop_at_eos, seed=i if t else None)
+        params = [SamplingParams(temperature=t, top_p=self.top_p if t else 1.0, max_tokens=output_len,
+                                 ignore_eos=not stop_at_eos, seed=i if t else None)
                   for i in range(len(prompts))]
         for p, prompt in zip(params, prompts):
             schema = self.schemas.get(tuple(prompt))
@@ -225,6 +228,8 @@ class TransformersSystem:
         self.first_token_times: list[float | None] = []  # the last generate call's, one stamp for the batch
         if settings.temperature > 0:
             self.generate_kwargs.update(do_sample=True, temperature=settings.temperature)
+            if settings.top_p < 1.0:
+                self.generate_kwargs.update(top_p=settings.top_p)
 
     def supports(self, batch_size: int) -> bool:
         return self.max_batch is None or batch_size <= self.max_batch
@@ -297,6 +302,7 @@ class LlamaCppSystem:
                          n_threads_batch=threads, n_batch=512, verbose=False)
         self.eos_ids = _eos_ids(settings.model, settings.eos_ids)  # the same set augury stops at
         self.temperature = settings.temperature
+        self.top_p = settings.top_p
         self.first_token_times: list[float | None] = []  # the last generate call's, per prompt
 
     def supports(self, batch_size: int) -> bool:
@@ -309,7 +315,7 @@ class LlamaCppSystem:
             self.llm.reset()
             if self.temperature > 0:
                 self.llm.set_seed(i)
-                stream = self.llm.generate(prompt, temp=self.temperature, top_k=0, top_p=1.0, min_p=0.0,
+                stream = self.llm.generate(prompt, temp=self.temperature, top_k=0, top_p=self.top_p, min_p=0.0,
                                            repeat_penalty=1.0)
             else:
                 stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)

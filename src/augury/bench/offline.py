@@ -67,6 +67,7 @@ class BenchSettings:
     # turns untimed first (bench/workloads.py), as a live session leaves them in the prefix cache
     history: str = "cold"
     temperature: float = 0.0  # 0 = greedy (the default); >0 samples (seeded), greedy-match is then moot
+    top_p: float = 1.0  # with temperature > 0: the nucleus every system keeps (1: none)
     stop_at_eos: bool = False  # end each sequence at its EOS token (at most output_len) instead of a fixed length
     draft_model: str | None = None
     out: str = "bench_out/offline"
@@ -451,7 +452,7 @@ def bench(settings: BenchSettings, progress: bool = True) -> tuple[list[Row], Pa
                             prompt_len + settings.output_len + 8, draft, settings.temperature,
                             settings.quantization, _gguf_file(settings), threads,
                             tuple(sorted(_eos_ids(folder))), settings.tensor_parallel_size, json_schemas=schemas,
-                            histories=histories)
+                            histories=histories, top_p=settings.top_p)
     per = settings.processes
     workers = start_workers([n for n in settings.systems for _ in range(per)], shared, user_env)  # loaded
     systems = workers if per == 1 else [WorkerPool(workers[i : i + per]) for i in range(0, len(workers), per)]
@@ -568,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--prompts chat / varied / mixed: prompts per run, in batches of the batch size "
                    "(varied has 60: 10 kinds x 6, kinds taken in turn)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 = seeded sampling")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature > 0: the nucleus every system samples from (default 1: none)")
     p.add_argument("--stop-at-eos", action="store_true", help="end each sequence at its end-of-sequence token "
                    "(at most --output-len), as in a chat; default: exactly --output-len tokens")
     p.add_argument("--out", default=d.out, help="folder for offline.json and offline.png")
@@ -641,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("prompt_len", "output_len", "repeats", "num_prompts", "doc_tokens", "processes"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if not 0.0 < args.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+        if args.top_p < 1.0 and args.temperature <= 0.0:
+            raise ValueError("--top-p needs --temperature above 0 (greedy decoding keeps one token anyway)")
         if args.workload != "throughput":
             return _prefix_main(args)
         settings = BenchSettings(
@@ -648,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats, warmup=max(0, args.warmup),
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()), out=args.out, seed=args.seed,
             threads=args.threads, random_config=args.random_config, prompts=args.prompts,
-            draft_model=args.draft_model, temperature=args.temperature, num_prompts=args.num_prompts,
+            draft_model=args.draft_model, temperature=args.temperature, top_p=args.top_p, num_prompts=args.num_prompts,
             stop_at_eos=args.stop_at_eos, quantization=args.quantization, gguf=args.gguf,
             tensor_parallel_size=args.tensor_parallel_size, processes=args.processes, history=args.history)
         rows, out = bench(settings, progress=not args.no_progress)
