@@ -12,6 +12,7 @@ from augury.cpu import kernels as cpu_kernels
 X86 = isa.why_unsupported() is None and build.compiler() is not None
 needs_x86 = pytest.mark.skipif(not X86, reason="needs x86-64 with AVX2 and a C++ compiler")
 
+
 AVX2 = {"avx2", "fma", "f16c", "sse4_2"}
 ZEN4 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}  # no AVX-VNNI
 
@@ -100,7 +101,8 @@ def test_each_variant_this_cpu_runs_equals_the_avx2_one(level) -> None:
                     bf.linear(x.float(), bf.pack(w), 72), at.attend_rows(q, kc, vc, slots, nkeys, 0.2)]
         outs[lv] += [at.attend_rows(*case) for case in heads]
         ew = cpu_kernels.Elementwise(build.build("elementwise", lv))  # the sampler's draw: its exp and sums
-        outs[lv].append(torch.tensor(ew.draw_temperature(draw_rows.expand(64, -1).contiguous(), [0.7] * 64, draw_us)))
+        outs[lv].append(torch.tensor(ew.draw(draw_rows.expand(64, -1).contiguous(), [0.7] * 64, [None] * 64,
+                                             [1.0] * 64, [0.0] * 64, draw_us)))
         outs[lv].append(torch.tensor(ew.draw(draw_rows.expand(64, -1).contiguous(), [0.9] * 64, [None, 50] * 32,
                                              [0.9, 0.95] * 32, [0.0, 0.01] * 32, draw_us)))
     for a, b in zip(outs["avx2"], outs[level]):

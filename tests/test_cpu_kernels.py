@@ -15,6 +15,12 @@ from augury.models.quant import Int4Linear, default_int4_backend, int4_values
 
 G = 32
 CAN_BUILD = isa.why_unsupported() is None and build.compiler() is not None
+
+def _draw_t(kernel, logits, temperatures, uniforms):
+    """Elementwise.draw with the temperature alone (no top-k, top-p or min-p)."""
+    n = len(temperatures)
+    return kernel.draw(logits, temperatures, [None] * n, [1.0] * n, [0.0] * n, uniforms)
+
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and a C++ compiler")
 
 
@@ -480,12 +486,12 @@ def test_temperature_draw_kernel_inverts_the_softmax_cdf(v) -> None:
         for r in range(3):
             p = torch.softmax(x[r].double() / t, -1).numpy()
             cdf = np.cumsum(p)
-            got = k.draw_temperature(x[r : r + 1].expand(len(us), v).contiguous(), [t] * len(us), us)
+            got = _draw_t(k, x[r : r + 1].expand(len(us), v).contiguous(), [t] * len(us), us)
             for u, tok in zip(us, got):
                 assert p[tok] > 0
                 assert (cdf[tok - 1] if tok else 0.0) - 1e-6 <= u * cdf[-1] <= cdf[tok] + 1e-6, (u, tok)
-        both = k.draw_temperature(x, [t, 0.5, 2.0], us[:3])
-        assert both == [k.draw_temperature(x[r : r + 1], [[t, 0.5, 2.0][r]], [us[r]])[0] for r in range(3)]
+        both = _draw_t(k, x, [t, 0.5, 2.0], us[:3])
+        assert both == [_draw_t(k, x[r : r + 1], [[t, 0.5, 2.0][r]], [us[r]])[0] for r in range(3)]
         assert draw_sampled(x, [t, 0.5, 2.0], [None, 0, v], [1.0] * 3, [0.0] * 3, us[:3]) == both
 
 
@@ -547,11 +553,11 @@ def test_temperature_draw_kernel_no_mass_and_bad_input() -> None:
                          [0.0, 0.0] + [-inf] * 7, [5.0] + [-inf] * 8])
     # no finite logit, a NaN, +inf (torch's softmax gives NaN): no token; u next to 1: the last token
     # with mass; one finite logit: that token
-    assert k.draw_temperature(rows, [1.0] * 5, [0.5, 0.5, 0.5, 1.0 - 2 ** -53, 0.999]) == [-1, -1, -1, 1, 0]
+    assert _draw_t(k, rows, [1.0] * 5, [0.5, 0.5, 0.5, 1.0 - 2 ** -53, 0.999]) == [-1, -1, -1, 1, 0]
     with pytest.raises(ValueError, match="temperatures must be > 0"):
-        k.draw_temperature(rows[:1], [0.0], [0.5])
+        _draw_t(k, rows[:1], [0.0], [0.5])
     with pytest.raises(ValueError, match="float32 CPU"):
-        k.draw_temperature(rows[:1].double(), [1.0], [0.5])
+        _draw_t(k, rows[:1].double(), [1.0], [0.5])
 
 
 def test_training_keeps_gradients_through_norm_and_rotary() -> None:

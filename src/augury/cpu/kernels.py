@@ -603,12 +603,6 @@ class Elementwise:
             out.fill_(-1)
         return out.tolist()
 
-    def draw_temperature(self, logits: torch.Tensor, temperatures: Sequence[float],
-                         uniforms: Sequence[float]) -> list[int]:
-        """`draw` with the temperature alone (no top-k, top-p or min-p)."""
-        n = len(temperatures)
-        return self.draw(logits, temperatures, [None] * n, [1.0] * n, [0.0] * n, uniforms)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x float32 [..., dim] -> x / rms(x) * weight, in weight's dtype (bfloat16 or float32)."""
         if x.dtype != torch.float32 or weight.dtype not in (torch.bfloat16, torch.float32) \

@@ -147,7 +147,7 @@ float nucleus_edge(const float *p, int64_t V, double top_p, double total, std::v
     for (size_t i = 0; i < members.size();) {
         const float v = members[i];
         if (!(f < want)) break;
-        edge = v < edge ? v : edge;
+        edge = v;  // the members come in descending order
         size_t e = i;
         while (e < members.size() && members[e] == v) f += static_cast<double>(members[e++]);
         i = e;
@@ -211,16 +211,18 @@ extern "C" void augury_draw_filtered(const float *logits, int64_t rows, int64_t 
         const __m256 tv = _mm256_set1_ps(t), mv = _mm256_set1_ps(m / t);
         const int64_t k = top_k[r];
         float kth = -INFINITY;  // logits / t below it are dropped
+        const float *yk = nullptr;  // x / t, where top-k computed it (the pass below reads it back)
         if (k > 0 && k < V) {
             y.resize(static_cast<size_t>(V));
             for (j = 0; j + 8 <= V; j += 8) _mm256_storeu_ps(y.data() + j, _mm256_div_ps(_mm256_loadu_ps(x + j), tv));
             for (; j < V; j++) y[j] = x[j] / t;
             kth = kth_largest(y.data(), V, k, heap);
+            yk = y.data();
         }
         const float floor_p = min_p[r] > 0.0f ? min_p[r] : 0.0f;  // masses below it are dropped
         const __m256 kv = _mm256_set1_ps(kth), fv = _mm256_set1_ps(floor_p);
         for (j = 0; j + 8 <= V; j += 8) {
-            const __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + j), tv);
+            const __m256 q = yk ? _mm256_loadu_ps(yk + j) : _mm256_div_ps(_mm256_loadu_ps(x + j), tv);
             __m256 e = augury::exp8(_mm256_sub_ps(q, mv));
             const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(q, kv, _CMP_GE_OQ), _mm256_cmp_ps(e, fv, _CMP_GE_OQ));
             _mm256_storeu_ps(p.data() + j, _mm256_and_ps(e, keep));
@@ -228,7 +230,7 @@ extern "C" void augury_draw_filtered(const float *logits, int64_t rows, int64_t 
         if (j < V) {  // the row's last few: exp8 over a padded group
             alignas(32) float tail[8], q[8];
             for (int64_t i = 0; i < 8; i++) {
-                q[i] = j + i < V ? x[j + i] / t : -INFINITY;
+                q[i] = j + i < V ? (yk ? yk[j + i] : x[j + i] / t) : -INFINITY;
                 tail[i] = q[i] - m / t;
             }
             _mm256_store_ps(tail, augury::exp8(_mm256_load_ps(tail)));
