@@ -383,6 +383,72 @@ def test_attention_kernel_rows_are_batch_and_thread_invariant(attn_kernel) -> No
         torch.set_num_threads(threads)
 
 
+def _tree_rows(g, context: list[int], parents: list[int], fresh: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verification's slot lists: node i reads the context, then its ancestors and itself (fresh
+    slots), in position order; rows padded with junk past their counts."""
+    rows = []
+    for i in range(len(parents)):
+        chain, p = [], i
+        while p >= 0:
+            chain.append(fresh[p])
+            p = parents[p]
+        rows.append(context + chain[::-1])
+    width = max(map(len, rows)) + 3
+    sl = torch.full((len(rows), width), 10**9, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        sl[i, : len(row)] = torch.tensor(row)
+    return sl, torch.tensor([len(r) for r in rows], dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("hd,nh,nkv", [(64, 9, 3), (128, 8, 2), (32, 10, 2), (96, 4, 4), (80, 12, 2), (16, 5, 1)])
+def test_attention_kernel_rows_sharing_their_context_come_out_as_alone(attn_kernel, kv, hd, nh, nkv) -> None:
+    """Rows whose slot lists start alike (a verification tree's nodes over one context, a prompt's rows,
+    a second sequence on a cached prefix) are taken together a part of the keys at a time (attention.h:
+    attend_group); each row's numbers are still those it has alone, bit for bit, at contexts longer than
+    a part (~96 KiB of keys and values: 192 to 1,536 keys here), heads per key-value head that do not
+    fill the kernel's groups of 4, and each head size's lane split. A batch of such groups next to rows
+    of their own, at 1 and 2 threads, comes out as each row alone."""
+    g = torch.Generator().manual_seed(hd + nh)
+    slots = 4000
+    dt = getattr(torch, kv)
+    kc = torch.randn(slots, nkv, hd, generator=g).to(dt)
+    vc = torch.randn(slots, nkv, hd, generator=g).to(dt)
+    perm = torch.randperm(slots, generator=g).tolist()
+    a_ctx, b_ctx = perm[:1700], perm[1700:1700 + 37]  # two sequences: a long context, a short one
+    sl_a, nk_a = _tree_rows(g, a_ctx, [-1, 0, 0, 1, 3, 3, 2], perm[3000:3007])  # a tree of 7 nodes
+    sl_b, nk_b = _tree_rows(g, b_ctx, [-1, 0, 1], perm[3100:3103])
+    prompt = perm[2000:2020]  # a prompt's rows: row t reads its first t + 1 slots
+    sl_p = torch.full((20, 20), 10**9, dtype=torch.int64)
+    for t in range(20):
+        sl_p[t, : t + 1] = torch.tensor(prompt[: t + 1])
+    nk_p = torch.arange(1, 21, dtype=torch.int32)
+    lone = torch.tensor([[perm[2500 + i] for i in range(9)]])  # a row of its own between the groups
+    width = max(sl_a.shape[1], sl_b.shape[1], 20, 9)
+    pad = lambda s: torch.nn.functional.pad(s, (0, width - s.shape[1]), value=10**9)  # noqa: E731
+    sl = torch.cat([pad(sl_a), pad(lone), pad(sl_b), pad(sl_p)])
+    nk = torch.cat([nk_a, torch.tensor([9], dtype=torch.int32), nk_b, nk_p])
+    q = torch.randn(sl.shape[0], nh, hd, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([attn_kernel.attend_rows(q[i:i + 1].contiguous(), kc, vc, sl[i:i + 1].contiguous(),
+                                                   nk[i:i + 1].contiguous(), hd ** -0.5) for i in range(len(nk))])
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(attn_kernel.attend_rows(q, kc, vc, sl, nk, hd ** -0.5), alone)
+            # the tree alone: one group, halved for two threads
+            assert torch.equal(attn_kernel.attend_rows(q[:7].contiguous(), kc, vc, sl[:7].contiguous(),
+                                                       nk[:7].contiguous(), hd ** -0.5), alone[:7])
+    finally:
+        torch.set_num_threads(threads)
+    ref = torch.nn.functional.scaled_dot_product_attention(  # and the long rows are still attention
+        q[4].float()[None, :, None], kc[sl[4, : nk[4]]].float().transpose(0, 1)[None],
+        vc[sl[4, : nk[4]]].float().transpose(0, 1)[None], scale=hd ** -0.5, enable_gqa=True)[0, :, 0].reshape(-1)
+    torch.testing.assert_close(alone[4].float(), ref.to(torch.bfloat16).float(), rtol=8e-3, atol=8e-3)
+
+
 @needs_kernel
 def test_attention_kernel_rejects_bad_inputs(attn_kernel) -> None:
     q, kc, vc, sl, nk = _attn_case(torch.float32)

@@ -5,8 +5,9 @@
 //
 // A row's output depends only on its query, its slots and the cache: scores, softmax and the weighted
 // sum run in one fixed order per (row, head) whatever the other rows and the threads (threads split
-// rows and key-value heads), so a decode step's row and the same token's row in a verification come
+// groups of rows and key-value heads; attention.h's attend_group), so a decode step's row and the same token's row in a verification come
 // out bit for bit the same.
+
 #include <cstdint>
 #include <vector>
 
@@ -29,15 +30,15 @@ extern "C" int augury_attend_rows(const void *q, int q_bf16, int64_t R, int64_t 
             if (static_cast<uint64_t>(slots[r * W + j]) >= static_cast<uint64_t>(S)) return 3;
     }
     if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads) if (augury::attention_parallel(R, nh, nkv, W))
+    const bool parallel = augury::attention_parallel(R, nh, nkv, W);
+    augury::AttnPlan plan;
+    plan.build(R, slots, W, nkeys, nkv);
+#pragma omp parallel num_threads(nthreads) if (parallel)
     {
-        std::vector<float> scores;
-#pragma omp for schedule(static, 1)  // in turn: rows of a prefill read more keys the later they come
-        for (int64_t t = 0; t < R * nkv; t++) {
-            const int64_t r = t / nkv, g = t % nkv;
-            augury::attend_task(q, q_bf16 != 0, r, g, nh, hd, kc, vc, kv, nkv, slots + r * W, nkeys[r],
-                                scale, out, out_bf16 != 0, scores);
-        }
+        augury::AttnScratch scratch;
+        int64_t b, e;
+        plan.share(omp_get_thread_num(), omp_get_num_threads(), b, e);
+        plan.run(b, e, q, q_bf16 != 0, nh, hd, kc, vc, kv, slots, W, nkeys, scale, out, out_bf16 != 0, scratch);
     }
     return 0;
 }

@@ -106,6 +106,7 @@ struct Stack {
     int64_t NQ = 0, NKV = 0, NQKV = 0;
     float scale = 0;
     bool split_attention = false;
+    augury::AttnPlan plan;  // who reads which keys in attention (attention.h)
     char *mem = nullptr;
     uint16_t *xn = nullptr, *qkv = nullptr, *qr = nullptr, *att = nullptr, *gu = nullptr, *act = nullptr;
     float *xf = nullptr;
@@ -157,6 +158,7 @@ struct Stack {
         // the region's threads are awake already: split the (row, key-value head) tasks whenever there are two
         split_attention = T * nkv > 1;
         if (nthreads < 1) nthreads = 1;
+        plan.build(T, slots, W, nkeys, nkv);
         return 0;
     }
 
@@ -177,7 +179,7 @@ struct Stack {
     // Step s by every thread of the region (2l: layer l's attention half, 2l + 1: its MLP half, 2L: the
     // final norm). part null: each half's projection is added to h here (no tensor parallelism); else its
     // float32 partial sum [T, H] goes to part, for the ranks' sum and `apply`.
-    void step(int64_t s, float *part, std::vector<float> &scores) {
+    void step(int64_t s, float *part, augury::AttnScratch &scratch) {
         if (s == 2 * L) {
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) augury::rmsnorm_row(h + t * H, H, final_w, true, eps, out + t * H, true);
@@ -203,25 +205,13 @@ struct Stack {
                 std::memcpy(vc + slot * NKV, row + NQ + NKV, static_cast<size_t>(NKV) * 2);
             }
             bar.wait();
-            if (split_attention) {
-                // one task at a time in turn (static, 1): a prefill's row t reads t + 1 keys, so contiguous
-                // halves gave the second thread ~3x the first's work
-#pragma omp for schedule(static, 1) nowait
-                for (int64_t task = 0; task < T * nkv; task++) {
-                    const int64_t t = task / nkv, g = task % nkv;
-                    augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t], scale,
-                                        att, true, scores);
-                }
-                bar.wait();
-            } else {
-                if (omp_get_thread_num() == 0)
-                    for (int64_t task = 0; task < T * nkv; task++) {
-                        const int64_t t = task / nkv, g = task % nkv;
-                        augury::attend_task(qr, true, t, g, nh, hd, kc, vc, true, nkv, slots + t * W, nkeys[t],
-                                            scale, att, true, scores);
-                    }
-                bar.wait();
+            // each thread its share of the (row, key-value head) pairs (attention.h: AttnPlan)
+            if (split_attention || omp_get_thread_num() == 0) {
+                int64_t b = 0, e = T * nkv;
+                if (split_attention) plan.share(omp_get_thread_num(), omp_get_num_threads(), b, e);
+                plan.run(b, e, qr, true, nh, hd, kc, vc, true, slots, W, nkeys, scale, att, true, scratch);
             }
+            bar.wait();
             if (part)
                 project(p, O, att, T, aQ, xf, H, Raw{part, H}, bar);
             else
@@ -308,8 +298,8 @@ extern "C" int augury_forward_layers(float *h, int64_t T, int64_t H, int64_t nh,
     if (int rc = st.setup()) return rc;
 #pragma omp parallel num_threads(st.nthreads)
     {
-        std::vector<float> scores;
-        for (int64_t s = 0; s <= 2 * L; s++) st.step(s, nullptr, scores);
+        augury::AttnScratch scratch;
+        for (int64_t s = 0; s <= 2 * L; s++) st.step(s, nullptr, scratch);
     }
     return 0;
 }
@@ -348,18 +338,18 @@ extern "C" int augury_forward_tp(float *h, int64_t T, int64_t H, int64_t nh, int
     std::vector<const float *> parts(static_cast<size_t>(size > 0 ? size : 1));
 #pragma omp parallel num_threads(st.nthreads)
     {
-        std::vector<float> scores;
+        augury::AttnScratch scratch;
         if (!shm && s0 > 0) {
             const float *mine = part;
             st.apply(s0 - 1, &mine, 1);
         }
         for (int64_t s = s0; s < s1; s++) {
             if (!shm || s == 2 * L) {
-                st.step(s, s == 2 * L ? nullptr : part, scores);
+                st.step(s, s == 2 * L ? nullptr : part, scratch);
                 continue;
             }
             const int64_t k = *ex.counter + 1;  // read by every thread before the single below moves it
-            st.step(s, ex.slot(k & 1, rank), scores);  // ends with a barrier: this rank's partial is whole
+            st.step(s, ex.slot(k & 1, rank), scratch);  // ends with a barrier: this rank's partial is whole
 #pragma omp single
             {
                 failed = !exchange(ex, k);
