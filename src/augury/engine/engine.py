@@ -210,18 +210,23 @@ class Engine:
 
     # ---------------------------------------------------------- target forwards
     def run_target(self, reqs: list[Request], rows: list[list[int]], positions: torch.Tensor,
-                   attn: PagedAttention, aux: bool, aux_into: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   attn: PagedAttention, aux: bool, aux_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   most: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward: request b feeds rows[b] at positions[b] ([B, Q], on the CPU), attention as
         prepared by the backend. Returns (hidden [B, Q, H], aux features [B, Q, A] or None); with
-        aux_into (FeatureStore.step_rows) the features are written there and None comes back."""
-        if int(positions.max()) > self.max_position:
-            raise ValueError(f"position {int(positions.max())} is past the largest this engine computes "
+        aux_into (FeatureStore.step_rows) the features are written there and None comes back. most: the
+        largest of the positions where the caller knows it."""
+        top = int(positions.max()) if most is None else most
+        if top > self.max_position:
+            raise ValueError(f"position {top} is past the largest this engine computes "
                              f"({self.max_position}): a caller let a request grow past its context")
         q = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), q, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
+        if all(len(r) == q for r in rows):  # one tensor call (each is dear right after a forward)
+            ids = torch.tensor(rows, dtype=torch.long)
+        else:
+            ids = torch.zeros(len(rows), q, dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = torch.tensor(r)
         layers = self.speculator.aux_layers if (aux and self.speculator is not None) else ()
         if aux_into is not None and layers:
             return self.model(ids.to(self.device), positions.to(self.device), attn, layers, aux_into)
@@ -236,7 +241,9 @@ class Engine:
         the padding nodes of the returned [B, N, ...] tensors are zeros."""
         ctx = [r.num_computed for r in reqs]
         tables = [r.block_table for r in reqs]
-        positions = torch.tensor(ctx)[:, None] + depth.cpu()  # [B, N]
+        at = [[c + d for d in row] for c, row in zip(ctx, depth.tolist())]
+        positions = torch.tensor(at, dtype=torch.long)  # [B, N]
+        most = max(max(row) for row in at)
         b, n = tokens.shape
         if sizes is not None and sum(sizes) < b * n:
             attn = self.attention.prepare_packed_tree(tables, ctx, parents.cpu(), sizes)
@@ -251,7 +258,7 @@ class Engine:
                     feats[real] = packed_feats[0]
                 return full, feats
         attn = self.attention.prepare_tree(tables, ctx, parents.cpu())
-        return self.run_target(reqs, tokens.tolist(), positions, attn, aux)
+        return self.run_target(reqs, tokens.tolist(), positions, attn, aux, most=most)
 
     def advance(self, req: Request, n: int, features: torch.Tensor | None) -> None:
         """The next n tokens of req are in the cache; features [n, A] are their target features."""
@@ -375,8 +382,8 @@ class Engine:
         # kernel, at no cost of its own); else they come back and are stored in one indexed copy
         into = self.features.step_rows(reqs, len(self.speculator.aux_layers) * self.model.cfg.hidden_size,
                                        self.speculator.catch_up_window) if wants else None
-        hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor(ctx)[:, None], attn,
-                                      wants, into)
+        hidden, aux = self.run_target(reqs, [[r.last_token_id] for r in reqs], torch.tensor([[c] for c in ctx]),
+                                      attn, wants, into, most=max(ctx))
         logits = self._decode_logits(hidden[:, 0], reqs)  # [B, V]
         toks = sample(logits, reqs)
         lps = self._logprobs(logits, reqs, toks)
