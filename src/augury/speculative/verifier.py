@@ -168,6 +168,11 @@ def _sampling_step(uniforms: Sequence[Sequence[float]],
 
 # ------------------------------------------------------------------------------------------- mixed
 
+# nodes up to which a greedy walk over a tensor of every node's logits takes all their argmaxes at once
+# (past a few dozen, the rows the walk never visits cost more than the calls saved)
+ARGMAX_AT_ONCE = 32
+
+
 def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[float],
            top_ks: Sequence[int | None], top_ps: Sequence[float],
            uniforms: Sequence[Sequence[float] | None] | None = None,
@@ -196,7 +201,15 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
     greedy = [b for b in range(b_all) if temperatures[b] == 0]
     sampled = [b for b in range(b_all) if temperatures[b] != 0]
     try:
-        if shapers is None:
+        if shapers is None and greedy and isinstance(target_logits, torch.Tensor) and \
+                tree.batch_size * tree.num_nodes <= ARGMAX_AT_ONCE:
+            # every node's logits are here, and few: every node's argmax in one call (~4 us a row), then
+            # the walk in Python, instead of an index and an argmax per level (each torch call right
+            # after a forward costs several times its warm time); the same tokens
+            best = argmax_ids(target_logits)  # [B][N]
+            res = _walk(tree, greedy, lambda bs, ns: [best[b][n] for b, n in zip(bs, ns)],
+                        lambda active, kid_toks, want: (_match(kid_toks, want), want))
+        elif shapers is None:
             res = _walk(tree, greedy, raw, _greedy_step) if greedy else {}
         else:
             res = _walk(tree, greedy, raw, _greedy_shaped_step(shapers), shapers) if greedy else {}
