@@ -242,7 +242,7 @@ inline void pv_sums256(const void *vc, int kv, int64_t nkv, int64_t g, int64_t h
     }
 }
 
-// score_keys for attend_heads256 (qv [H][64]: H heads' scaled queries, 8 lanes a vector), a function of
+// score_keys for scores256 (qv [H][64]: H heads' scaled queries, 8 lanes a vector), a function of
 // its own per key format (with the format tested per key the scores took ~1.3x the time)
 template <int H, int KV>
 __attribute__((noinline)) void score256(const __m256 *qv, const void *kc, const void *vc, int64_t nkv, int64_t g,
@@ -272,12 +272,6 @@ __attribute__((noinline)) void score256(const __m256 *qv, const void *kc, const 
     score_keys<H, __m256>(lanes, [](int64_t) {}, four, [](__m256 v) { return hsum(v); }, n, ld, scores, m);
 }
 
-// Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
-// and value is loaded once for the H heads. Per head, in this fixed order on every ISA level: q scaled
-// (q * scale per element); each score s_j = hsum(A + B), where A and B are 8-lane FMA chains over the
-// dimensions in order, A over 16 c .. 16 c + 7 and B over 16 c + 8 .. 16 c + 15 (c = 0, 1, ...); m =
-// max_j s_j; softmax_inplace; o = (sum_j p_j v_j, per dimension in key order) * (1 / l). The AVX-512
-// variant holds A and B in one register's halves (the same operations lane for lane).
 // Heads h0 .. h0 + H - 1 of row r: scores over the n keys at slots sl (head h's at scores + h * ld) and
 // their maxima m
 template <int H>
@@ -290,19 +284,6 @@ inline void scores256(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t
         for (int64_t i = 0; i < nv; i++)
             qv[h][i] = _mm256_mul_ps(load8(q, q_bf16, (r * nh + h0 + h) * hd + 8 * i), _mm256_set1_ps(scale));
     with_kv(kv, [&](auto k) { score256<H, decltype(k)::value>(&qv[0][0], kc, vc, nkv, g, hd, sl, n, ld, scores, m); });
-}
-
-template <int H>
-inline void attend_heads256(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                            const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
-                            float scale, void *out, bool out_bf16, float *scores /* [H, n] */) {
-    float m[H];
-    scores256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, n, scores, m);
-    float inv[H];
-    for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
-    float o[H * 512];
-    pv_sums256<H>(vc, kv, nkv, g, hd, sl, n, scores, n, inv, o, nullptr, PV_FINISH);
-    for (int h = 0; h < H; h++) store_out(out, out_bf16, (r * nh + h0 + h) * hd, o + h * hd, static_cast<int>(hd));
 }
 
 #if defined(__AVX512F__)
@@ -391,8 +372,8 @@ inline void pv_pass512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t h
     });
 }
 
-// pv_pass512 over all hd dimensions (hd % 16 == 0): passes of up to 4 x 32 (hd 128 in one: 24 of the
-// 32 registers), a last 16 in natural order
+// pv_pass512 over all hd dimensions (hd % 32 == 0: pv_part sends it 32, 64, 96 and 128): passes of up
+// to 4 x 32 (hd 128 in one: 24 of the 32 registers)
 template <int H>
 inline void pv_sums512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl,
                        int64_t n, const float *scores, int64_t ld, const float *inv, float *o, float *sums,
@@ -403,22 +384,6 @@ inline void pv_sums512(const void *vc, int kv, int64_t nkv, int64_t g, int64_t h
         case 3: pv_pass512<H, 3>(vc, kv, nkv, g, hd, sl, n, scores, ld, d0, inv, o, sums, mode); break;
         case 2: pv_pass512<H, 2>(vc, kv, nkv, g, hd, sl, n, scores, ld, d0, inv, o, sums, mode); break;
         case 1: pv_pass512<H, 1>(vc, kv, nkv, g, hd, sl, n, scores, ld, d0, inv, o, sums, mode); break;
-    }
-    d0 += (hd - d0) / 32 * 32;
-    if (d0 < hd) {  // 16 left
-        float *st = sums ? sums + H * d0 : nullptr;
-        __m512 acc[H];
-        for (int h = 0; h < H; h++) acc[h] = mode & PV_RESUME ? _mm512_loadu_ps(st + 16 * h) : _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const __m512 v = load16kv(vc, kv, (sl[j] * nkv + g) * hd + d0);
-            for (int h = 0; h < H; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * ld + j]), v, acc[h]);
-        }
-        for (int h = 0; h < H; h++) {
-            if (mode & PV_FINISH)
-                _mm512_storeu_ps(o + h * hd + d0, _mm512_mul_ps(acc[h], _mm512_set1_ps(inv[h])));
-            else
-                _mm512_storeu_ps(st + 16 * h, acc[h]);
-        }
     }
 }
 
@@ -441,7 +406,7 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y));
 }
 
-// score_keys for attend_heads512 (H heads' scaled queries qz [H][NC] in 16-lane chunks; key j's A + B per
+// score_keys for scores512 (H heads' scaled queries qz [H][NC] in 16-lane chunks; key j's A + B per
 // head are the low and high halves of one 16-lane chain): a function of its own per key format, four
 // keys' sums reduced side by side (hsum4x16). Before (the format tested per key, a 256-bit fold then
 // hsum4) the scores took ~1.3x the time. Against a copy of score_keys' loop written out here, the
@@ -485,7 +450,7 @@ __attribute__((noinline)) void score512(const __m512 *qz, const void *kc, const 
     score_keys<H, __m512>(key, ahead, four, one, n, ld, scores, m);
 }
 
-// attend_heads256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16
+// scores256's numbers for hd % 16 == 0, 16 lanes at a time; NC = hd / 16
 template <int H, int NC>
 inline void scores512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
                       const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n, float scale,
@@ -497,31 +462,50 @@ inline void scores512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t
     with_kv(kv, [&](auto k) { score512<H, NC, decltype(k)::value>(qz, kc, vc, nkv, g, hd, sl, n, ld, scores, m); });
 }
 
-template <int H, int NC>
-inline void attend_heads512(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                            const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
-                            float scale, void *out, bool out_bf16, float *scores) {
-    float m[H];
-    scores512<H, NC>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, n, scores, m);
-    float inv[H];
-    for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
-    float o[H * 512];
-    pv_sums512<H>(vc, kv, nkv, g, hd, sl, n, scores, n, inv, o, nullptr, PV_FINISH);
-    for (int h = 0; h < H; h++) store_out(out, out_bf16, (r * nh + h0 + h) * hd, o + h * hd, static_cast<int>(hd));
-}
 #endif
 
+// A head group's scores (scores512 where the AVX-512 path takes the head size, else scores256) and its
+// weighted sums (pv_sums512 or pv_sums256 to match): the one place the head size picks the path
+template <int H>
+inline void score_part(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
+                       const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n, float scale,
+                       int64_t ld, float *scores, float *m) {
+#if defined(__AVX512F__)
+    if (hd == 64) return scores512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
+    if (hd == 128) return scores512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
+    if (hd == 32) return scores512<H, 2>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
+    if (hd == 96) return scores512<H, 6>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
+#endif
+    scores256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
+}
+
+template <int H>
+inline void pv_part(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
+                    const float *scores, int64_t ld, const float *inv, float *o, float *sums, int mode) {
+#if defined(__AVX512F__)
+    if (hd == 64 || hd == 128 || hd == 32 || hd == 96)
+        return pv_sums512<H>(vc, kv, nkv, g, hd, sl, n, scores, ld, inv, o, sums, mode);
+#endif
+    pv_sums256<H>(vc, kv, nkv, g, hd, sl, n, scores, ld, inv, o, sums, mode);
+}
+
+// Query heads h0 .. h0 + H - 1 (one key-value head's) of row r over the first n of slots sl: each key
+// and value is loaded once for the H heads. Per head, in this fixed order on every ISA level: q scaled
+// (q * scale per element); each score s_j = hsum(A + B), where A and B are 8-lane FMA chains over the
+// dimensions in order, A over 16 c .. 16 c + 7 and B over 16 c + 8 .. 16 c + 15 (c = 0, 1, ...); m =
+// max_j s_j; softmax_inplace; o = (sum_j p_j v_j, per dimension in key order) * (1 / l). The AVX-512
+// variant holds A and B in one register's halves (the same operations lane for lane).
 template <int H>
 inline void attend_heads(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
                          const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n,
-                         float scale, void *out, bool out_bf16, float *scores) {
-#if defined(__AVX512F__)
-    if (hd == 64) return attend_heads512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd == 128) return attend_heads512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd == 32) return attend_heads512<H, 2>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
-    if (hd == 96) return attend_heads512<H, 6>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
-#endif
-    attend_heads256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, out, out_bf16, scores);
+                         float scale, void *out, bool out_bf16, float *scores /* [H, n] */) {
+    float m[H];
+    score_part<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, n, scores, m);
+    float inv[H];
+    for (int h = 0; h < H; h++) inv[h] = softmax_inplace(scores + h * n, n, m[h]);
+    float o[H * 512];
+    pv_part<H>(vc, kv, nkv, g, hd, sl, n, scores, n, inv, o, nullptr, PV_FINISH);
+    for (int h = 0; h < H; h++) store_out(out, out_bf16, (r * nh + h0 + h) * hd, o + h * hd, static_cast<int>(hd));
 }
 
 // Query heads g * rep .. (g + 1) * rep - 1 of row r (q [R, nh, hd]) over the first n of slots sl,
@@ -566,29 +550,6 @@ inline int64_t group_part(int64_t hd, int kv) {
 // (a chain of 3 rows after 1,500 tokens of the demo: the target's step 1.38x a decode step's time
 // before, 1.22x with the same rows merely ordered by key-value head, Zen 5 EPYC, 2 threads).
 // A part of keys boundary is a multiple of 4 keys, where score_keys' groups of four fall anyway.
-template <int H>
-inline void score_part(const void *q, bool q_bf16, int64_t r, int64_t h0, int64_t g, int64_t nh, int64_t hd,
-                       const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *sl, int64_t n, float scale,
-                       int64_t ld, float *scores, float *m) {
-#if defined(__AVX512F__)
-    if (hd == 64) return scores512<H, 4>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
-    if (hd == 128) return scores512<H, 8>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
-    if (hd == 32) return scores512<H, 2>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
-    if (hd == 96) return scores512<H, 6>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
-#endif
-    scores256<H>(q, q_bf16, r, h0, g, nh, hd, kc, vc, kv, nkv, sl, n, scale, ld, scores, m);
-}
-
-template <int H>
-inline void pv_part(const void *vc, int kv, int64_t nkv, int64_t g, int64_t hd, const int64_t *sl, int64_t n,
-                    const float *scores, int64_t ld, const float *inv, float *o, float *sums, int mode) {
-#if defined(__AVX512F__)
-    if (hd == 64 || hd == 128 || hd == 32 || hd == 96)
-        return pv_sums512<H>(vc, kv, nkv, g, hd, sl, n, scores, ld, inv, o, sums, mode);
-#endif
-    pv_sums256<H>(vc, kv, nkv, g, hd, sl, n, scores, ld, inv, o, sums, mode);
-}
-
 template <int H>
 inline void attend_group_heads(const void *q, bool q_bf16, int64_t r0, int64_t r1, int64_t h0, int64_t g, int64_t nh,
                                int64_t hd, const void *kc, const void *vc, int kv, int64_t nkv, const int64_t *slots,
