@@ -304,3 +304,33 @@ def test_a_registered_system_reaches_its_worker_by_name(monkeypatch) -> None:
     assert pickle.loads(_portable_factory("peer-module")) is json.dumps
     with pytest.raises(ValueError, match="module-level function"):
         _portable_factory("peer-lambda")
+
+
+class _StoppingWorker(_FakeWorker):
+    """A fake whose sequences end at their EOS after `lengths[i]` tokens, at most output_len."""
+
+    def __init__(self, name: str, lengths: list[int]) -> None:
+        super().__init__(name, 1.0)
+        self.lengths = lengths
+
+    def timed_run(self, groups, output_len, stop_at_eos=False):
+        prompts = [p for g in groups for p in g]
+        out = [[1] * min(self.lengths[i % len(self.lengths)], output_len) for i in range(len(prompts))]
+        return out, self.speed, self.speed, self.split
+
+
+def test_sequences_the_length_cap_cut_are_counted_and_reported() -> None:
+    """--stop-at-eos: a sequence that reached --output-len ended at the cap, not at its EOS (a JSON answer
+    cut short); each row counts them over the first timed repeat and the table says so; none, no line."""
+    from augury.bench.offline import BenchSettings, default_output_len, format_table, run_benchmark
+    from augury.bench.json_prompts import JSON_OUTPUT_LEN
+
+    settings = BenchSettings(batch_sizes=(2,), prompt_len=3, output_len=6, repeats=1, warmup=0, systems=("a", "b"),
+                             stop_at_eos=True)
+    a, b = run_benchmark(settings, [_StoppingWorker("a", [3, 9]), _StoppingWorker("b", [2, 4])], vocab_size=50,
+                         progress=False)
+    assert (a.cut, a.sequences, b.cut, b.sequences) == (1, 2, 0, 2)
+    assert "(cut short): b2 a 1/2" in format_table([a, b])
+    assert "cut short" not in format_table([b])
+    # the CLI's default leaves a JSON answer room to end; the other prompts keep the general default
+    assert default_output_len("json") == JSON_OUTPUT_LEN > 154 and default_output_len("chat") == BenchSettings().output_len

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 from augury.bench import (SHAPED, SYSTEMS, System, SystemSettings, count_parameters, int_list, make_prompts,
                           random_llama, system_factory)
+from augury.bench.json_prompts import JSON_OUTPUT_LEN
 from augury.bench.workloads import WORKLOADS
 from augury.config import OPTION, add_flags, one_line
 
@@ -98,6 +99,9 @@ class Row:
     spec_fraction: float = 0.0  # speculative systems: share of decoded tokens that came from verification
     # augury under a grammar (--prompts json): share of its timed wall time spent filling and applying masks
     mask_share: float = 0.0
+    # --stop-at-eos: sequences (of the first timed repeat) that reached --output-len, their answers cut short
+    cut: int = 0
+    sequences: int = 0
     # per repeat, summed over its groups (worker.run_groups): seconds from each group's start to its last
     # first token (prefill and first tokens) and from there to its end; None for a system that did not say
     # when its first tokens came (a registered system without first_token_times): no decode-only figures
@@ -200,6 +204,10 @@ def run_benchmark(settings: BenchSettings, systems: list[System], vocab_size: in
                     outputs.setdefault(system.name, out)
                     bar.update(1)
             new = _rows_for(b, systems, seconds, cpu, outputs, splits)
+            if settings.stop_at_eos:
+                for row in new:
+                    row.cut = sum(len(o) >= settings.output_len for o in outputs[row.system])
+                    row.sequences = len(outputs[row.system])
             if chat and kinds:
                 by_kind = {k: [p for p, pk in zip(chat, kinds) if pk == k] for k in dict.fromkeys(kinds)}
                 for row, system in zip(new, systems):
@@ -296,6 +304,10 @@ def format_table(rows: list[Row]) -> str:
         lines += ["", head, "-" * len(head)]
         for k in kinds:
             lines.append(f"{k:<{width}}  " + " ".join(f"{r.accept_by_kind.get(k, 0.0):>24.2f}" for r in spec))
+    cut = [r for r in rows if r.cut]
+    if cut:  # answers the length cap ended, not their EOS: a JSON answer cut short is not JSON
+        lines += ["", "reached --output-len before their end-of-sequence token (cut short): " +
+                  ", ".join(f"b{r.batch_size} {r.system} {r.cut}/{r.sequences}" for r in cut)]
     masked = [r for r in rows if r.mask_share]
     if masked:  # --prompts json: what the grammar masks cost
         lines += ["", "grammar masks, share of the timed wall time: " +
@@ -541,8 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated batch sizes, each run on its own, e.g. 1,8")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len,
                    help=f"tokens per random prompt (default: {d.prompt_len}; chat prompts have their own)")
-    p.add_argument("--output-len", type=int, default=d.output_len,
-                   help=f"tokens each sequence generates (at most, with --stop-at-eos) (default: {d.output_len})")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"tokens each sequence generates (at most, with --stop-at-eos) (default: {d.output_len}; "
+                   f"--prompts json: {JSON_OUTPUT_LEN}, so that every answer ends where its JSON does)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per system and batch size (median)")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help=f"untimed runs of the whole workload per system and batch size first (default: {d.warmup})")
@@ -622,6 +635,11 @@ def _stress_argv(argv: list[str], workload: str = "stress") -> list[str] | None:
     return None
 
 
+def default_output_len(prompts: str) -> int:
+    """--output-len where it is not given: room for a whole answer under --prompts json, else the default."""
+    return JSON_OUTPUT_LEN if prompts == "json" else BenchSettings().output_len
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `augury bench`; every error is one line and exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -640,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
+    args.output_len = default_output_len(args.prompts) if args.output_len is None else args.output_len
     try:
         for name in ("prompt_len", "output_len", "repeats", "num_prompts", "doc_tokens", "processes"):
             if getattr(args, name) < 1:
