@@ -492,8 +492,8 @@ def test_free_chains_are_cut_at_their_measured_acceptance_by_reach() -> None:
     short, long = [1, 2, 3, 4], [8, 9, 10, 11]
     assert policy.free_cut(1, sure, short) == 4  # nothing learned yet: the prior's rate 1
     for i in range(60):
-        policy.observe_free(1, 1, 0.005, timed=False, chain=([0, 1, 2, 3], short, 1 if i % 10 == 0 else 0))
-        policy.observe_free(1, 5, 0.005, timed=False, chain=([0, 1, 2, 3], long, 4))
+        policy.observe_free(1, 1, 0.005, timed=False, chains=[([0, 1, 2, 3], short, 1 if i % 10 == 0 else 0)])
+        policy.observe_free(1, 5, 0.005, timed=False, chains=[([0, 1, 2, 3], long, 4)])
     assert policy.chain_chances(short[:2])[0] < 0.2 and policy.free_cut(1, sure, short) == 0
     assert policy.chain_chances(long) == pytest.approx([1.0] * 4)
     assert policy.free_cut(1, sure, long) == 4

@@ -538,8 +538,8 @@ def test_steps_without_head_drafts_verify_prompt_lookup_exactly(ckpts):
     """Where the policy drafts nothing (here: a policy that never does), a lone request's step
     verifies prompt lookup's continuation instead (Speculator._forced_only): greedy output is plain
     greedy output, seeded sampling plain seeded sampling, and on a bigram target (prompts already in
-    its cycle) the lookups are accepted; at a batch of two, lookup is off (LOOKUP_BATCH) and nothing
-    is verified."""
+    its cycle) the lookups are accepted; at a batch of two, only copies are (a draft's match at least
+    COPY_REACH long): the same output, and the cycle's long matches verified and accepted."""
     from augury.speculative.policy import StepPlan
 
     plain = LLM(str(ckpts["bigram"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
@@ -559,5 +559,37 @@ def test_steps_without_head_drafts_verify_prompt_lookup_exactly(ckpts):
     params = _greedy([30, 30])
     two = llm.generate(prompts[:2], params, use_tqdm=False)
     assert [o.token_ids for o in two] == [o.token_ids for o in plain.generate(prompts[:2], params, use_tqdm=False)]
-    assert all(o.spec_stats.num_verify_steps == 0 for o in two)
+    s = [o.spec_stats for o in two]
+    assert sum(x.num_accepted_draft_tokens for x in s) > sum(x.num_verify_steps for x in s) > 0
     _assert_no_leak(llm)
+
+
+def test_a_request_without_a_copy_waits_before_its_next_suffix_search_above_batch_one(ckpts):
+    """Above batch 1 (LOOK_WAIT): a request whose search found no copy is searched again only after
+    4 more tokens, then 8, 16, at most 32; one that found a copy is searched every step; at batch 1
+    every step searches."""
+    from augury.speculative.worker import LOOK_WAIT
+
+    llm = LLM(str(ckpts["bigram"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy="adaptive", log_stats_interval=0, max_num_seqs=2)
+    spec = llm.engine.speculator
+
+    class Req:  # the part of a Request the back-off reads
+        all_token_ids = list(range(10))
+
+    r = Req()
+    assert spec._may_look(r, 2) and spec._may_look(r, 1)
+    waits = []
+    for _ in range(6):
+        spec._looked(r, False)
+        start = len(r.all_token_ids)
+        while not spec._may_look(r, 2):
+            assert spec._may_look(r, 1)  # a lone request always searches
+            r.all_token_ids = r.all_token_ids + [0]
+        waits.append(len(r.all_token_ids) - start)
+    assert waits == [4, 8, 16, 32, 32, 32] and LOOK_WAIT == (4, 32)
+    spec._looked(r, True)
+    assert spec._may_look(r, 2)
+    spec._looked(r, False)  # after a copy the wait starts again from the first
+    r.all_token_ids = r.all_token_ids + [0] * 4
+    assert spec._may_look(r, 2)

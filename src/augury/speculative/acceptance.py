@@ -15,7 +15,7 @@ has seen little of are shrunk towards the batch's scaled as its own first level 
 Lookup branch (a hybrid row: the head's tree with a suffix draft grafted on): the lookup drafts it
 got accepted, per row that drafted the whole shape, the batch's and each request's own (shrunk
 alike). Suffix drafts verified alone: accepted over the drafter's score (its own estimate of the
-tokens a draft yields), decayed, from a prior of 1 (the score taken at its word); and a lone request's
+tokens a draft yields), decayed, from a prior of 1 (the score taken at its word); and each request's
 free chains draft by draft, by the draft's reach (the tokens its text matched before it: the drafter's
 match and the drafts before it in the same run), which the drafter's own estimate does not weigh.
 
@@ -80,7 +80,7 @@ class Acceptance:
         self.off = [PRIOR_WEIGHT] * shape.num_steps
         self.tail, self.tail_n = 0.0, PRIOR_WEIGHT  # lookup branch: accepted per whole row, decayed sum and count
         self.suffix_got, self.suffix_score = PRIOR_WEIGHT, PRIOR_WEIGHT  # suffix alone: accepted / score
-        # suffix drafts verified alone at batch 1, by their reach's class (REACH_FROM): accepted where
+        # suffix drafts verified alone, at any batch size, by their reach's class (REACH_FROM): accepted where
         # every draft before was (weighted counts, each starting at one PRIOR_WEIGHT draw of rate 1:
         # until measured, the drafter's estimate stands)
         self.chain_acc = [float(PRIOR_WEIGHT)] * len(REACH_FROM)

@@ -548,15 +548,15 @@ class AdaptivePolicy(Acceptance):
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: Sequence[float] | None = None, rows: int | None = None,
-                     chain: tuple[Sequence[int], Sequence[int], int] | None = None) -> None:
+                     chains: Sequence[tuple[Sequence[int], Sequence[int], int]] = ()) -> None:
         """A step of drafts that cost no draft model: tokens emitted (the batch's, the forced and lookup
         drafts accepted); lookup: those that were suffix drafts, scores: their drafts' scores (a step
-        `free_first` chose); rows: the drafts it verified (for free_cut's step costs); chain: a lone
-        request's (places of its suffix drafts in the chain, their reaches, drafts accepted in a row),
-        learn_chain's."""
+        `free_first` chose); rows: the drafts it verified (for free_cut's step costs); chains: per
+        request with suffix drafts (places of its suffix drafts in its chain, their reaches, its drafts
+        accepted in a row), learn_chain's."""
         if scores is not None:
             self._learn_suffix(sum(scores), lookup)
-        if chain is not None:
+        for chain in chains:
             self.learn_chain(*chain)
         bk = self._bucket(batch_size)
         bk.exploring = False  # (charged when decided)

@@ -109,7 +109,7 @@ class StaticPolicy:
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: Sequence[float] | None = None, rows: int | None = None,
-                     chain: tuple[Sequence[int], Sequence[int], int] | None = None) -> None:
+                     chains: Sequence[tuple[Sequence[int], Sequence[int], int]] = ()) -> None:
         """Feedback after a step of drafts that cost no draft model (nothing to learn here)."""
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

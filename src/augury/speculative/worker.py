@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,10 +41,21 @@ AUTO_SHAPE = {"eagle3": TreeShape(3, 4, 8), "ngram": TreeShape(4, 1, 5), "suffix
 AUTO_NGRAM_BRANCH = 6  # suffix-draft nodes grafted onto each EAGLE-3 tree when none is configured
 FORCED_ONLY = 16  # most free drafts (forced, prompt lookup) verified per request in a step without head drafts
 # the largest batch whose steps without head drafts verify prompt lookup too (above it, forced tokens alone):
-# a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores,
-# varied chats: steps with lookup chains ran at 0.52-0.76x of plain steps' tokens a second at batch 16 in
-# three runs, and the default at 0.91x / 0.89x of plain at batch 4 / 16 while the gate kept measuring them)
-LOOKUP_BATCH = 1
+# a lookup row costs a decode row's compute, paid where decoding is compute-bound (the demo on 2 cores:
+# code edits at batch 4, warm, ran at 1.84x of plain decoding with lookup to batch 16, ~0.99x without)
+LOOKUP_BATCH = 16
+# above batch 1, a request's suffix drafts are verified only while each one's reach (the tokens its text
+# matched before it) is at least this: a copy (a code edit re-emitting its file), whose drafts the demo
+# accepted 0.92-1.0 of the time after 16 or more (acceptance.REACH_FROM's comment). Shorter matches are
+# guesses: with all of them (cut by free_cut alone) held-out chats at batch 4 ran at 0.90-0.95x of plain
+# decoding against 0.94-1.03x with lookup at batch 1 only (alternating pairs, 5 repeats each), and
+# steps with lookup chains at batch 16 at 0.52-0.76x of plain steps' tokens a second (three runs)
+COPY_REACH = 16
+# above batch 1, a request whose suffix search found no copy is searched again only after this many more
+# tokens, doubling to the second while none is found: a search costs ~0.03-0.05 ms (its index and the
+# cross-request cache's) of a ~3.3 ms step at batch 4, and searching every request every step cost
+# held-out chats there 4-5% (0.92-0.96x of plain decoding in six runs, drafting on 1-10% of their tokens)
+LOOK_WAIT = (4, 32)
 # a suffix-first step's reason (outputs.SpecStep.reason; _forced_only words it as a step without proposer drafts)
 SUFFIX_FIRST = "the suffix drafts' expected tokens per second beat the policy's choice: verified alone"
 LOGITS_AT_ONCE = 256  # tree nodes in a batch up to which verification computes all logits at once
@@ -78,6 +90,9 @@ class Speculator:
         # this step's suffix drafts by request (its id()), (context length, limit, Draft): _suffix_first's, which
         # _forced_only reuses (a search over a 1,500-token context is ~0.1 ms, ~3% of a demo step there)
         self._drafted: dict[int, tuple[int, int, Draft]] = {}
+        # above batch 1, per request whose last suffix search found no copy: (its length from which it is
+        # searched again, the wait after the next search that finds none): LOOK_WAIT
+        self._look_wait: weakref.WeakKeyDictionary[Request, tuple[int, int]] = weakref.WeakKeyDictionary()
 
     def after_warmup(self, host: TargetHost) -> None:
         """The warm-up passed: from now on the policy decides, and every step it is told of counts."""
@@ -218,8 +233,8 @@ class Speculator:
     def _suffix_first(self, reqs: list[Request]) -> list[float] | None:
         """A head's step whose requests' suffix drafts, verified alone (a free-drafts step), the policy
         expects to beat its own choice (policy.free_first): their scores; else None."""
-        if self.drafter is None or not self.needs_aux or self.warming or not self._lookup_batch(reqs):
-            return None
+        if self.drafter is None or not self.needs_aux or self.warming or len(reqs) > 1 or not self._lookup_batch(reqs):
+            return None  # (above batch 1 the copies _forced_only looks for after the policy's plain decision)
         scores = []
         for r in reqs:
             own = r.params.max_draft_tokens
@@ -252,14 +267,19 @@ class Speculator:
         for r in reqs:
             own = r.params.max_draft_tokens
             limit = FORCED_ONLY if own is None else min(own, FORCED_ONLY)
-            context = self._contexts.context(r) if lookup else None
+            context = self._contexts.context(r) if lookup and self._may_look(r, len(reqs)) else None
             chain = functools.partial(self._chain, r)
             done = self._drafted.get(id(r)) if context is not None else None
             if done is not None and done[:2] == (len(context), limit):
                 chain = functools.partial(_reuse, done, chain)
-            toks, srcs, probs, reach = free_chain(r.shaper, context, limit, lookup, chain) if limit \
+            toks, srcs, probs, reach = free_chain(r.shaper, context, limit, context is not None, chain) if limit \
                 else ([], [], [], [])
-            if lookup and toks and not self.warming:  # a lone request's: as many as pay for their rows
+            if context is not None and len(reqs) > 1:  # copies only: see COPY_REACH
+                k = next((j for j, (s, m) in enumerate(zip(srcs, reach)) if s == Source.LOOKUP and m < COPY_REACH),
+                         len(toks))
+                toks, srcs, probs, reach = toks[:k], srcs[:k], probs[:k], reach[:k]
+                self._looked(r, Source.LOOKUP in srcs)
+            if lookup and toks and not self.warming:  # as many as pay for their rows
                 k = self.policy.free_cut(len(reqs), probs, reach)
                 toks, srcs, reach = toks[:k], srcs[:k], reach[:k]
             chains.append((toks, srcs))
@@ -271,18 +291,35 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
-        chain = None  # a lone request's suffix drafts' places in its chain and reaches, the drafts accepted in a row
-        if lookup and b == 1 and chains[0][0]:
-            places = [i for i, x in enumerate(chains[0][1]) if x == Source.LOOKUP]
-            chain = (places, [reaches[0][i] for i in places], sum(sum(t.accepted) for _, t in verified)) \
-                if places else None
+        # per request with suffix drafts: their places in its chain, their reaches, its drafts accepted
+        # in a row (a chain's accepted drafts are its first ones)
+        learned = []
+        if lookup:
+            got = {i: sum(t.accepted) for i, t in verified}
+            for i, (_, srcs) in enumerate(chains):
+                places = [j for j, x in enumerate(srcs) if x == Source.LOOKUP]
+                if places:
+                    learned.append((places, [reaches[i][j] for j in places], got.get(i, 0)))
         if not self.warming:
             self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
                                      timed=host.thread_trials() == trials,
                                      lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores,
-                                     rows=sum(len(c) for c, _ in chains), chain=chain)
+                                     rows=sum(len(c) for c, _ in chains), chains=learned)
         host.stats.steps_spec += 1
         return True
+
+    def _may_look(self, r: Request, batch_size: int) -> bool:
+        """Whether this free-drafts step searches r's text for a suffix draft (LOOK_WAIT)."""
+        wait = self._look_wait.get(r) if batch_size > 1 else None
+        return wait is None or len(r.all_token_ids) >= wait[0]
+
+    def _looked(self, r: Request, found: bool) -> None:
+        """Above batch 1, r's suffix search found a copy to verify, or not (then it waits: LOOK_WAIT)."""
+        if found:
+            self._look_wait.pop(r, None)
+            return
+        wait = self._look_wait.get(r, (0, LOOK_WAIT[0]))[1]
+        self._look_wait[r] = (len(r.all_token_ids) + wait, min(2 * wait, LOOK_WAIT[1]))
 
     def _found_nothing(self, r: Request) -> bool:
         """No grammar shapes r, and this step's suffix search (_suffix_first's) found no draft for it."""
