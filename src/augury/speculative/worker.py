@@ -279,7 +279,8 @@ class Speculator:
                          len(toks))
                 toks, srcs, probs, reach = toks[:k], srcs[:k], probs[:k], reach[:k]
                 self._looked(r, Source.LOOKUP in srcs)
-            if lookup and toks and not self.warming:  # as many as pay for their rows
+            # as many as pay for their rows (above batch 1, a grammar's forced tokens alone are all verified)
+            if context is not None and toks and not self.warming and (len(reqs) == 1 or Source.LOOKUP in srcs):
                 k = self.policy.free_cut(len(reqs), probs, reach)
                 toks, srcs, reach = toks[:k], srcs[:k], reach[:k]
             chains.append((toks, srcs))
