@@ -53,8 +53,9 @@ LOOKUP_BATCH = 16
 COPY_REACH = 16
 # above batch 1, a request whose suffix search found no copy is searched again only after this many more
 # tokens, doubling to the second while none is found: a search costs ~0.03-0.05 ms (its index and the
-# cross-request cache's) of a ~3.3 ms step at batch 4, and searching every request every step cost
-# held-out chats there 4-5% (0.92-0.96x of plain decoding in six runs, drafting on 1-10% of their tokens)
+# cross-request cache's) of a ~3.3 ms step at batch 4: held-out chats there ran at 0.92-0.94x of plain
+# decoding in two runs with every request searched every step, 0.96x in two with the wait (drafting on
+# 0-1% of their tokens; 0.94-1.03x with lookup at batch 1 only: the VM's noise is of that size)
 LOOK_WAIT = (4, 32)
 # a suffix-first step's reason (outputs.SpecStep.reason; _forced_only words it as a step without proposer drafts)
 SUFFIX_FIRST = "the suffix drafts' expected tokens per second beat the policy's choice: verified alone"
