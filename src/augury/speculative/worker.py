@@ -293,16 +293,16 @@ class Speculator:
         if notes is not None:
             notes = [f"no proposer drafts ({n}); drafts that cost no draft model verified instead" for n in notes]
         verified = self.verify_and_commit(host, reqs, tree, notes, free=True)
-        # per request with suffix drafts: their places in its chain, their reaches, its drafts accepted
-        # in a row (a chain's accepted drafts are its first ones)
-        learned = []
-        if lookup:
-            got = {i: sum(t.accepted) for i, t in verified}
-            for i, (_, srcs) in enumerate(chains):
-                places = [j for j, x in enumerate(srcs) if x == Source.LOOKUP]
-                if places:
-                    learned.append((places, [reaches[i][j] for j in places], got.get(i, 0)))
         if not self.warming:
+            # per request with suffix drafts: their places in its chain, their reaches, its drafts accepted
+            # in a row (a chain's accepted drafts are its first ones)
+            learned = []
+            if lookup:
+                got = {i: sum(t.accepted) for i, t in verified}
+                for i, (_, srcs) in enumerate(chains):
+                    places = [j for j, x in enumerate(srcs) if x == Source.LOOKUP]
+                    if places:
+                        learned.append((places, [reaches[i][j] for j in places], got.get(i, 0)))
             self.policy.observe_free(b, b + sum(sum(t.accepted) for _, t in verified), clock(host.device) - t0,
                                      timed=host.thread_trials() == trials,
                                      lookup=sum(t.accepted[Source.LOOKUP] for _, t in verified), scores=scores,

@@ -5,9 +5,8 @@
 //
 // A row's output depends only on its query, its slots and the cache: scores, softmax and the weighted
 // sum run in one fixed order per (row, head) whatever the other rows and the threads (threads split
-// groups of rows and key-value heads; attention.h's attend_group), so a decode step's row and the same token's row in a verification come
-// out bit for bit the same.
-
+// groups of rows and key-value heads; attention.h's attend_group), so a decode step's row and the same
+// token's row in a verification come out bit for bit the same.
 #include <cstdint>
 #include <vector>
 
