@@ -129,11 +129,17 @@ class Acceptance:
         """Method of moments over this batch's requests at the first level: tau^2 ~ mean of
         (r_j - p)^2 - p(1-p)/n_j (the spread of their own rates less what sampling alone spreads them by),
         averaged over steps with the counts' memory (KEEP)."""
+        est = self._spread_estimate(owns)
+        if est is not None:
+            self.spread = KEEP * self.spread + (1 - KEEP) * est
+
+    def _spread_estimate(self, owns: list[_Own | None]) -> float | None:
+        """This batch's estimate of tau^2 (_learn_spread's), None with fewer than two requests to judge."""
         p = self.rates()[0]
         got = [(o.acc[0] / o.off[0], o.off[0]) for o in owns if o is not None and o.off[0] >= SPREAD_MIN_SEEN]
-        if len(got) >= 2:
-            est = sum((r - p) ** 2 - p * (1 - p) / n for r, n in got) / len(got)
-            self.spread = KEEP * self.spread + (1 - KEEP) * max(est, 0.0)
+        if len(got) < 2:
+            return None
+        return max(sum((r - p) ** 2 - p * (1 - p) / n for r, n in got) / len(got), 0.0)
 
     def request_expected(self, req: Request) -> list[float]:
         """E_r(d), d = 0..S: req's expected accepted drafts when offered d levels."""

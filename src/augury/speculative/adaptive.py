@@ -44,7 +44,7 @@ import math
 from collections.abc import Sequence
 
 from augury.core.request import Request
-from augury.speculative.acceptance import Acceptance, Expected, PRIOR_RATE, _expected  # noqa: F401
+from augury.speculative.acceptance import KEEP, Acceptance, Expected, PRIOR_RATE, _expected  # noqa: F401
 from augury.speculative.arms import FREE, MIN_SEEN, WINDOW, Bucket, bucket_of
 from augury.speculative.policy import StepPlan, TreeShape, Why, user_caps
 
@@ -102,7 +102,7 @@ class AdaptivePolicy(Acceptance):
         """This step's tree and each request's draft budget (0: a root-only row), by the rule."""
         b = len(reqs)
         caps = user_caps(reqs)
-        plain = StepPlan(None, tuple(0 for _ in reqs))
+        plain = StepPlan(None, (0,) * b)
         if (self.threshold is not None and b > self.threshold) or not any(c != 0 for c in caps):
             self.why = ("none", 0, 0.0, 0.0) if self.threshold is None or b <= self.threshold \
                 else ("threshold", self.threshold, 0.0, 0.0)
@@ -117,7 +117,7 @@ class AdaptivePolicy(Acceptance):
             owns[row].last = self.steps
         if not depth or not pick:
             if kind == "rule" and bk.probe is None:
-                bk.quiet = (tuple(r.request_id for r in reqs), self._wake(bk), owns)
+                bk.quiet = (tuple(r.request_id for r in reqs), self._wake(bk), self._spread_estimate(owns))
             return plain
         self.rows_planned += b
         self.rows_drafted += len(pick)
@@ -312,11 +312,12 @@ class AdaptivePolicy(Acceptance):
         demo at batch 1 on an AVX2 EPYC); this check a few microseconds."""
         if bk.quiet is None:
             return False
-        ids, until, owns = bk.quiet
+        ids, until, est = bk.quiet
         if self.steps >= until or bk.probe is not None or ids != tuple(r.request_id for r in reqs):
             bk.quiet = None
             return False
-        self._learn_spread(owns)
+        if est is not None:  # _learn_spread's step, its estimate as the rule left it (no request here drafted since)
+            self.spread = KEEP * self.spread + (1 - KEEP) * est
         self.steps += 1
         bk.steps += 1
         bk.exploring = False

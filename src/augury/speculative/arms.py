@@ -142,7 +142,7 @@ class Bucket:
         self.exploring = False  # the last decision explored: its step is charged to the credit
         self.need = float("inf")  # the expected loss of the exploration due next (inf: none due)
         self.soon = float("inf")  # bucket steps until the next option or request comes due
-        self.quiet: tuple | None = None  # (request ids, until which policy step, their records): _quiet
+        self.quiet: tuple | None = None  # (request ids, until which policy step, their spread estimate): _quiet
         # timed steps of drafts that cost no draft model: (draft rows verified, seconds), for row_cost
         self.free_rows: deque[tuple[int, float]] = deque(maxlen=2 * WINDOW)
         self._line: tuple | None = None  # row_cost's fit: ((steps, the newest step), (a, c, mean k))

@@ -407,9 +407,12 @@ class SuffixDrafter:
         """A decode batch begins: the previous batch's requests that finished since go into the cache
         (their whole output: the speculator sees every decode batch, and a request leaves it when it
         finishes). A preempted request comes back and is added when it finishes."""
-        if self.cache is not None and self._last:
+        last = self._last
+        if len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
+            return  # the same batch as the last step's: nothing left it
+        if self.cache is not None and last:
             now = {id(r) for r in reqs}
-            for r in self._last:
+            for r in last:
                 if id(r) not in now and r.status is Status.FINISHED:
                     self.cache.insert(r.output_token_ids)
         self._last = list(reqs)
