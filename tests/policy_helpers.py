@@ -24,7 +24,8 @@ def fake_clock(policy, plain: float, per_node: float) -> None:
     node, whatever the wall clock said (the engine's timing hooks still run; their figures are replaced)."""
     observe, observe_plain = policy.observe, policy.observe_plain
 
-    def spec(batch, shape, seconds, accepted, timed=True, offered=None, reqs=None, sizes=None, forced=0, lookup=None):
+    def spec(batch, shape, seconds, accepted, timed=True, offered=None, reqs=None, sizes=None, forced=0, lookup=None,
+             wall=None):  # (the fake time is the whole step's: the wall clock's is dropped with `seconds`)
         nodes = sum(s - 1 for s in sizes) if sizes is not None else batch * (shape.num_drafts if shape else 0)
         observe(batch, shape, plain + per_node * nodes, accepted, timed=timed, offered=offered, reqs=reqs,
                 sizes=sizes, forced=forced, lookup=lookup)

@@ -152,6 +152,28 @@ def test_the_guard_turns_a_losing_bucket_off_and_keeps_its_retries_within_the_cr
     assert drafted < 0.05 * 4000 and lost <= EXPLORE_SHARE * spent + 2 * MIN_SEEN * 0.010
 
 
+def test_re_measurements_are_charged_their_whole_wall_time():
+    """A drafting step's arm time leaves out the head's catch-up over a backlog (the worker passes the
+    rest as `seconds`, the whole step as `wall`); the exploration credit pays the whole: steps timed
+    at 50 ms that took 90 ms (plain 40 ms, nothing accepted) lose, in wall time, no more than the
+    exploration share of the time and a re-measurement's steps."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 3)
+    teach_times(policy, 2, 0.040, {3: 0.050})
+    lost, spent = 0.0, 0.0
+    for _ in range(4000):
+        shape = policy.choose(2)
+        if shape is None:
+            policy.observe(2, None, 0.040, [])
+            spent += 0.040
+            continue
+        policy.observe(2, shape, 0.050, [0, 0], timed=True, wall=0.090)
+        policy.acc = list(policy.off)  # the books keep saying everything is accepted
+        spent += 0.090
+        lost += 0.050
+    assert lost <= EXPLORE_SHARE * spent + 2 * MIN_SEEN * 0.050
+
+
 def test_a_new_bucket_above_a_losing_one_does_not_probe_at_once():
     """A batch draining through bucket after bucket must not probe drafting in each: above a bucket
     where drafting was measured and lost, a new bucket borrows that bucket's measured extra (scaled up
@@ -470,6 +492,10 @@ def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:
     assert policy.free_cut(1, copy_then_guess) == 6
     assert policy.free_cut(1, [1.0, 0.9, 0.81, 0.73]) == 4
     assert StaticPolicy(TREE, None).free_cut(1, guess) == 1  # the static policy verifies them all
+    # a bucket with no free steps of its own cuts at its nearest neighbour's row costs
+    teach_times(policy, 4, 0.0033, {})
+    assert policy.buckets[4].row_cost(0.0033) is None
+    assert policy.free_cut(4, guess) == 0 and policy.free_cut(4, copy_then_guess) == 6
     policy.costs_changed()
     teach_times(policy, 1, 0.003, {})
     assert policy.buckets[1].row_cost(0.003) is None and policy.free_cut(1, guess) == 1

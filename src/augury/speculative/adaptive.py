@@ -433,15 +433,18 @@ class AdaptivePolicy(Acceptance):
     # ------------------------------------------------------------------ feedback
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: Sequence[Request] | None = None,
-                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None) -> None:
+                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None,
+                wall: float | None = None) -> None:
         """After a step: acceptance by source (accepted: the proposer's own drafts per row that drafted;
         lookup: the lookup branch's grafted onto them; forced: a grammar's, in no row's acceptance),
-        then its time for its (bucket, depth) arm and what it emitted, against what the rule predicted."""
+        then its time for its (bucket, depth) arm and what it emitted, against what the rule predicted.
+        wall: the step's whole time where `seconds` leaves out the head's catch-up over a backlog (the
+        worker's): what an exploring step is charged, all of it."""
         depth = shape.num_steps if shape else 0
         if shape is not None:
             self._learn(shape, accepted, offered, reqs, lookup)
         bk = self._bucket(batch_size)
-        self._ran(bk, depth, batch_size + sum(accepted) + sum(lookup or ()) + forced, seconds)
+        self._ran(bk, depth, batch_size + sum(accepted) + sum(lookup or ()) + forced, seconds, wall)
         if not timed:
             return
         if shape is None:
@@ -456,12 +459,15 @@ class AdaptivePolicy(Acceptance):
             seconds = max(seconds, t0 + (seconds - t0) / share)
         bk.arm(depth).add(seconds, forced, bk.steps)
 
-    def _ran(self, bk: Bucket, key: int, tokens: float, seconds: float) -> None:
+    def _ran(self, bk: Bucket, key: int, tokens: float, seconds: float, wall: float | None = None) -> None:
         """A step as it ran: the credit grows by EXPLORE_SHARE of it, and an exploring step pays what it
-        lost against the rule's choice (the time that choice needs for the same tokens)."""
-        bk.credit += EXPLORE_SHARE * seconds
+        lost against the rule's choice (the time that choice needs for the same tokens), its whole wall
+        time counted (a head's catch-up over the prompts of a batch of new requests is most of a probe's
+        first step: 6-9 ms of 20 at batch 4 on the demo's chats, Zen 5)."""
+        spent = seconds if wall is None else max(wall, seconds)
+        bk.credit += EXPLORE_SHARE * spent
         if bk.exploring:
-            bk.credit -= seconds - tokens / max(bk.best, 1e-12)
+            bk.credit -= spent - tokens / max(bk.best, 1e-12)
         bk.arm(key).ran(tokens, seconds)
         bk.exploring = False
 
@@ -535,7 +541,7 @@ class AdaptivePolicy(Acceptance):
             probs = out
         bk = self._bucket(batch_size)
         t0 = bk.arm(0).seconds()
-        fit = bk.row_cost(t0) if t0 is not None else None
+        fit = (bk.row_cost(t0) or self._near_row_cost(batch_size)) if t0 is not None else None
         if fit is None:
             return len(probs)
         f, c = fit
@@ -546,6 +552,21 @@ class AdaptivePolicy(Acceptance):
             if rate > best:
                 best_k, best = k, rate
         return best_k
+
+    def _near_row_cost(self, batch_size: int) -> tuple[float, float] | None:
+        """The nearest bucket's measured row costs (Bucket.row_cost), for a bucket that has too few steps
+        of drafts that cost no draft model to fit its own: a verified row's compute differs little
+        between neighbouring batch sizes, and without them every draft was verified (a 16-draft copy
+        from an earlier chat's answer, rejected at its first token, cost a batch of 4 a 10 ms step
+        against 3.3 ms plain, Zen 5). None where no bucket has them."""
+        key = bucket_of(batch_size)
+        for k in sorted(self.buckets, key=lambda k: abs(math.log(k / key))):
+            other = self.buckets[k]
+            t0 = other.arm(0).seconds()
+            fit = other.row_cost(t0) if k != key and t0 is not None else None
+            if fit is not None:
+                return fit
+        return None
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: Sequence[float] | None = None, rows: int | None = None,

@@ -4,6 +4,7 @@ engine, the EAGLE-3 and n-gram proposers and the static and adaptive policies sa
 structurally, and nothing probes them with getattr/hasattr."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -88,8 +89,10 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: list[Request] | None = None,
-                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None) -> None:
-        """After a step: its time (timed=False: not representative) and, per request whose proposer
+                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None,
+                wall: float | None = None) -> None:
+        """After a step: its time (timed=False: not representative; wall: the step's whole time where
+        `seconds` leaves out the head's catch-up over a backlog, None: `seconds`) and, per request whose proposer
         drafted, its accepted drafts and the deepest draft depth it was offered (None: the shape's
         depth; a request's budget may cut its tree shorter), both counting the proposer's own drafts
         alone (the EAGLE-3 head's, or the n-gram or suffix proposer's), never a grammar's forced tokens
@@ -118,10 +121,10 @@ class SpeculationPolicy(Protocol):
 
     def observe_free(self, batch_size: int, tokens: int, seconds: float, timed: bool = True, lookup: int = 0,
                      scores: list[float] | None = None, rows: int | None = None,
-                     chain: tuple[list[int], list[int], int] | None = None) -> None:
+                     chains: Sequence[tuple[Sequence[int], Sequence[int], int]] = ()) -> None:
         """After a step of drafts that cost no draft model: the tokens it emitted, its time, the lookup
-        drafts among them, (a `free_first` step) the drafts' scores, the rows it verified, and a lone
-        request's chain (its suffix drafts' places and reaches, the drafts accepted in a row)."""
+        drafts among them, (a `free_first` step) the drafts' scores, the rows it verified, and per request
+        with suffix drafts its chain (their places and reaches, the drafts accepted in a row)."""
         ...
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:

@@ -90,7 +90,8 @@ class StaticPolicy:
 
     def observe(self, batch_size: int, shape: TreeShape | None, seconds: float, accepted: list[int],
                 timed: bool = True, offered: list[int] | None = None, reqs: Sequence[Request] | None = None,
-                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None) -> None:
+                sizes: list[int] | None = None, forced: int = 0, lookup: list[int] | None = None,
+                wall: float | None = None) -> None:
         """Feedback after a step (used by the adaptive policy; nothing to learn here). timed=False:
         the step's time is not representative (it also caught the head up on a backlog)."""
 

@@ -188,7 +188,7 @@ class Speculator:
         # whole shape's cost this step drafted.
         learned = [(b, t) for b, t in verified if t.depth]
         own = Source.HEAD if self.needs_aux else Source.LOOKUP  # the proposer's own drafts; a head's lookup apart
-        seconds = clock(host.device) - t0
+        seconds = wall = clock(host.device) - t0
         caught = getattr(self.proposer, "catch_up_seconds", None)
         if backlog > usual and caught is not None:
             seconds -= caught * (backlog - usual) / backlog
@@ -199,7 +199,8 @@ class Speculator:
                                 offered=[t.depth for _, t in learned],
                                 reqs=[reqs[b] for b, _ in learned], sizes=tree.row_sizes(),
                                 forced=sum(t.accepted[Source.FORCED] for _, t in verified),
-                                lookup=[t.accepted[Source.LOOKUP] for _, t in learned] if self.needs_aux else None)
+                                lookup=[t.accepted[Source.LOOKUP] for _, t in learned] if self.needs_aux else None,
+                                wall=wall)
         host.stats.steps_spec += 1
         return True
 
