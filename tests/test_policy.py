@@ -474,7 +474,7 @@ def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:
     """A lone request's drafts that cost no draft model are cut to the prefix with the most expected
     tokens per second at the measured step costs: a free step of k drafts took 3 + 1 + 0.4 k ms
     against a plain step's 3 ms (one step stalled at 40 ms, which the fit leaves out). Every draft
-    until those steps are measured; certain drafts kept whole; a 0.11 guess not verified at all;
+    until those steps are measured (at batch 1; one above it, where no bucket within NEAR_ROWS has them); certain drafts kept whole; a 0.11 guess not verified at all;
     a copy that turns to a guess (0.2) cut where it does; costs measured again after a change of
     thread count."""
     policy = AdaptivePolicy(TREE, None)
@@ -492,10 +492,13 @@ def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:
     assert policy.free_cut(1, copy_then_guess) == 6
     assert policy.free_cut(1, [1.0, 0.9, 0.81, 0.73]) == 4
     assert StaticPolicy(TREE, None).free_cut(1, guess) == 1  # the static policy verifies them all
-    # a bucket with no free steps of its own cuts at its nearest neighbour's row costs
-    teach_times(policy, 4, 0.0033, {})
-    assert policy.buckets[4].row_cost(0.0033) is None
-    assert policy.free_cut(4, guess) == 0 and policy.free_cut(4, copy_then_guess) == 6
+    # a bucket with no free steps of its own cuts at its nearest neighbour's row costs, within NEAR_ROWS
+    # of its batch size; further off, one draft a request until its own are measured
+    teach_times(policy, 2, 0.0033, {})
+    assert policy.buckets[2].row_cost(0.0033) is None
+    assert policy.free_cut(2, guess) == 0 and policy.free_cut(2, copy_then_guess) == 6
+    teach_times(policy, 4, 0.0036, {})
+    assert policy.free_cut(4, guess) == 1 and policy.free_cut(4, copy_then_guess) == 1
     policy.costs_changed()
     teach_times(policy, 1, 0.003, {})
     assert policy.buckets[1].row_cost(0.003) is None and policy.free_cut(1, guess) == 1

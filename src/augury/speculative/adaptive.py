@@ -62,6 +62,10 @@ FIXED_ROWS, ROW_SHARE = 1.0, 0.5
 # a step that drafted under this share of the whole shape's extra is not timed: scaled up to the whole
 # shape by over 4x, a 30% spike of a shared machine would read as 120%
 MIN_SHARE = 0.25
+# a bucket takes a neighbour's row costs (free_cut) within this factor of its batch size: further off
+# a row's cost changes regime (a lone row reads the weights, 16 rows compute: a verified row of the
+# demo cost ~0.3 ms at batch 1, ~1 ms at batch 16 over ~1,000-token contexts, Zen 5)
+NEAR_ROWS = 2
 PROBE_STEPS = 2 * MIN_SEEN  # most steps a re-measurement runs: room for untimed catch-up steps among them
 
 
@@ -529,7 +533,11 @@ class AdaptivePolicy(Acceptance):
         (chain_chances at the suffix drafts' reaches): the drafter counts one earlier occurrence of any
         match as certain, and at T=1 a code edit's answer leaves the file it copies early (the
         default's free steps there cost it 8.7% of the time, in one process against no speculation).
-        Every draft until the step costs are measured."""
+        Until the step costs are measured (here or in a neighbouring bucket): every draft at batch 1,
+        one above it (a request's whole copy costs what its rows cost: 16 requests of agentic loops
+        with ~1,000 tokens of context each verified 180-224 rows in 145-230 ms against a 17 ms plain
+        step, for 28-96 drafts accepted, Zen 5; one draft each costs at most a batch's worth of rows,
+        about a plain step, and measures the line)."""
         if reaches is not None:
             measured = self.chain_chances([r for r in reaches if r])
             have, place, out = 1.0, 0, []
@@ -543,7 +551,7 @@ class AdaptivePolicy(Acceptance):
         t0 = bk.arm(0).seconds()
         fit = (bk.row_cost(t0) or self._near_row_cost(batch_size)) if t0 is not None else None
         if fit is None:
-            return len(probs)
+            return len(probs) if batch_size == 1 else min(len(probs), 1)
         f, c = fit
         best_k, best, e = 0, batch_size / t0, 0.0
         for k, p in enumerate(probs, 1):
@@ -554,13 +562,15 @@ class AdaptivePolicy(Acceptance):
         return best_k
 
     def _near_row_cost(self, batch_size: int) -> tuple[float, float] | None:
-        """The nearest bucket's measured row costs (Bucket.row_cost), for a bucket that has too few steps
-        of drafts that cost no draft model to fit its own: a verified row's compute differs little
-        between neighbouring batch sizes, and without them every draft was verified (a 16-draft copy
-        from an earlier chat's answer, rejected at its first token, cost a batch of 4 a 10 ms step
-        against 3.3 ms plain, Zen 5). None where no bucket has them."""
+        """The nearest bucket's measured row costs (Bucket.row_cost), within a factor of NEAR_ROWS of this
+        batch size, for a bucket that has too few steps of drafts that cost no draft model to fit its
+        own: a verified row's compute differs little between neighbouring batch sizes (a 16-draft
+        copy from an earlier chat's answer, rejected at its first token, cost a batch of 4 a 10 ms
+        step against 3.3 ms plain, Zen 5). None where no such bucket has them."""
         key = bucket_of(batch_size)
         for k in sorted(self.buckets, key=lambda k: abs(math.log(k / key))):
+            if max(k, key) > NEAR_ROWS * min(k, key):
+                break
             other = self.buckets[k]
             t0 = other.arm(0).seconds()
             fit = other.row_cost(t0) if k != key and t0 is not None else None
