@@ -565,3 +565,33 @@ def test_a_change_of_thread_count_has_plain_decoding_measured_afresh(told) -> No
         assert drafted <= 8 and policy.choose(1) is None
     else:
         assert drafted > 100
+
+
+def test_an_arms_figures_follow_every_change_of_its_steps():
+    """Arm.seconds / forced / realized are kept between calls (asked many times a step) and recomputed
+    whenever the steps they rest on change: a step added (the window full or not), a refresh's steps
+    replacing the window, the window cleared."""
+    from augury.speculative.arms import Arm, trimmed_mean
+
+    a = Arm()
+    for i in range(MIN_SEEN):
+        a.add(0.010 + 0.001 * i, float(i), i)
+        a.ran(2.0, 0.010)
+    first = a.seconds()
+    assert first == pytest.approx(trimmed_mean([0.010 + 0.001 * i for i in range(MIN_SEEN)]))
+    assert a.forced() == pytest.approx(sum(range(MIN_SEEN)) / MIN_SEEN)
+    assert a.realized() == pytest.approx(200.0)
+    for i in range(WINDOW + 3):  # past the window's length: its length stays, its newest step changes
+        a.add(0.050, 1.0, MIN_SEEN + i)
+        assert a.seconds() == trimmed_mean([s for s, _ in a.recent]) > first
+        assert a.forced() == pytest.approx(sum(f for _, f in a.recent) / len(a.recent))
+    assert a.seconds() == pytest.approx(0.050) and a.forced() == pytest.approx(1.0)
+    a.ran(8.0, 0.010)
+    assert a.realized() > 200.0
+    a.refresh()
+    assert a.realized() is None
+    for i in range(MIN_SEEN):
+        a.add(0.020, 0.0, 100 + i)
+    assert a.seconds() == pytest.approx(0.020) and a.forced() == 0.0
+    a.recent.clear()
+    assert a.seconds() is None and a.forced() == 0.0

@@ -51,7 +51,7 @@ def trimmed_mean(xs: list[float]) -> float:
 class Arm:
     """One (bucket, option): its last WINDOW timed steps (seconds, forced tokens) and its steps as run."""
 
-    __slots__ = ("recent", "fresh", "real", "last", "least")
+    __slots__ = ("recent", "fresh", "real", "last", "least", "_memo")
 
     def __init__(self) -> None:
         self.recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (seconds, forced tokens accepted)
@@ -59,6 +59,10 @@ class Arm:
         self.real: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (tokens, seconds) of its steps as run
         self.last: int | None = None  # bucket step of its last timed step (None: none)
         self.least = MIN_SEEN  # timed steps before its estimate counts (fewer after a refresh cut short)
+        # (what, key, value) per figure: seconds / forced / realized, asked many times a step (a trimmed
+        # mean is ~3-10 us of Python), recomputed when the steps they rest on change (the key: the
+        # window's length and newest entry, a new tuple on every append, and `least`)
+        self._memo: dict[str, tuple] = {}
 
     def add(self, seconds: float, forced: float, step: int) -> None:
         """A timed step (bucket step `step`): its figures are the arm's newest."""
@@ -74,22 +78,34 @@ class Arm:
     def ran(self, tokens: float, seconds: float) -> None:
         self.real.append((tokens, seconds))
 
+    def _cached(self, what: str, window: deque, compute) -> float | None:
+        key = (len(window), window[-1] if window else None, self.least)
+        got = self._memo.get(what)
+        if got is not None and got[0][0] == key[0] and got[0][1] is key[1] and got[0][2] == key[2]:
+            return got[1]
+        value = compute()
+        self._memo[what] = (key, value)
+        return value
+
     def seconds(self) -> float | None:
         """Seconds per step (trimmed mean), or None before it has `least` timed steps."""
         if len(self.recent) < self.least:
             return None
-        return trimmed_mean([s for s, _ in self.recent])
+        return self._cached("seconds", self.recent, lambda: trimmed_mean([s for s, _ in self.recent]))
 
     def forced(self) -> float:
         """Forced tokens accepted per step, on average (a grammar's, verified whatever the policy drafts)."""
-        return mean([f for _, f in self.recent]) if self.recent else 0.0
+        if not self.recent:
+            return 0.0
+        return self._cached("forced", self.recent, lambda: mean([f for _, f in self.recent]))
 
     def realized(self) -> float | None:
         """Tokens per second as its last steps ran: mean tokens over the trimmed mean seconds (one step a
         busy neighbour stalled must not condemn the arm); None before MIN_SEEN steps."""
         if len(self.real) < MIN_SEEN:
             return None
-        return mean([k for k, _ in self.real]) / max(trimmed_mean([s for _, s in self.real]), 1e-12)
+        return self._cached("realized", self.real, lambda: mean([k for k, _ in self.real])
+                            / max(trimmed_mean([s for _, s in self.real]), 1e-12))
 
     def held(self, rate: float, plain: float) -> float:
         """The guard: a predicted tokens/s, or what the arm realized where that fell below GUARD_MARGIN
