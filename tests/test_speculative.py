@@ -564,6 +564,32 @@ def test_steps_without_head_drafts_verify_prompt_lookup_exactly(ckpts):
     _assert_no_leak(llm)
 
 
+def test_a_copy_the_cut_leaves_nothing_of_waits_like_none_found(ckpts):
+    """Above batch 1 a request whose copy the policy's cut (free_cut) leaves nothing of waits before its
+    next suffix search as one that found none (LOOK_WAIT): on a bigram target whose prompts are in its
+    cycle every search finds a long copy; with a cut that never pays, two requests of 30 tokens search
+    a handful of times, not every step, and decode plainly, as plain greedy decoding does."""
+    from augury.speculative.policy import StepPlan
+
+    plain = LLM(str(ckpts["bigram"]), dtype="float32", speculative_algorithm="none", log_stats_interval=0)
+    llm = LLM(str(ckpts["bigram"]), dtype="float32", draft_model=str(ckpts["head"]), speculative_algorithm="eagle3",
+              speculative_policy="adaptive", log_stats_interval=0, max_num_seqs=2)
+    spec = llm.engine.speculator
+    spec.policy.plan = lambda reqs: StepPlan(None, tuple(0 for _ in reqs))
+    spec.policy.free_cut = lambda batch, probs, reaches=None: 0
+    searches = []
+    draft_for = spec.drafter.draft_for
+    spec.drafter.draft_for = lambda r, *a, **k: searches.append(r) or draft_for(r, *a, **k)
+    starts = [p[:2] for p in _prompts(2, seed=7)]
+    prompts = [p + o.token_ids for p, o in zip(starts, plain.generate(starts, _greedy([40] * 2), use_tqdm=False))]
+    params = _greedy([30, 30])
+    two = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in two] == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert sum(o.spec_stats.num_verify_steps for o in two) == 0
+    assert 2 <= len(searches) <= 12  # (searched every step: 48)
+    _assert_no_leak(llm)
+
+
 def test_a_request_without_a_copy_waits_before_its_next_suffix_search_above_batch_one(ckpts):
     """Above batch 1 (LOOK_WAIT): a request whose search found no copy is searched again only after
     4 more tokens, then 8, 16, at most 32; one that found a copy is searched every step; at batch 1

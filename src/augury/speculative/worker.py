@@ -282,11 +282,16 @@ class Speculator:
                 k = next((j for j, (s, m) in enumerate(zip(srcs, reach)) if s == Source.LOOKUP and m < COPY_REACH),
                          len(toks))
                 toks, srcs, probs, reach = toks[:k], srcs[:k], probs[:k], reach[:k]
-                self._looked(r, Source.LOOKUP in srcs)
             # as many as pay for their rows (above batch 1, a grammar's forced tokens alone are all verified)
             if context is not None and toks and not self.warming and (len(reqs) == 1 or Source.LOOKUP in srcs):
                 k = self.policy.free_cut(len(reqs), probs, reach)
                 toks, srcs, reach = toks[:k], srcs[:k], reach[:k]
+            if context is not None and len(reqs) > 1:
+                # a copy the cut leaves nothing of waits as one not found (at batch 16 over ~1,000-token
+                # code edits every request found its copy each step, and each step cut them all: 16
+                # searches a step, the default at 0.945-0.965x of plain decoding with 0.2% of its tokens
+                # drafted, Zen 5)
+                self._looked(r, Source.LOOKUP in srcs)
             chains.append((toks, srcs))
             reaches.append(reach)
         if not any(c for c, _ in chains) or not host.reserve(reqs, 1 + max(len(c) for c, _ in chains)):
