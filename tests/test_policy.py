@@ -195,6 +195,24 @@ def test_a_new_bucket_above_a_losing_one_does_not_probe_at_once():
     assert fresh.choose(2) == TREE  # nothing measured anywhere: a new bucket probes at once
 
 
+def test_a_probe_stopped_at_its_first_step_gives_the_arm_its_estimate():
+    """A first probe of drafting whose one timed step shows it cannot win (a batch of new requests: the
+    head catching up their histories) gives the arm that step as its estimate: the bucket does not take
+    it for unmeasured, and a new bucket below it borrows it instead of probing at once."""
+    policy = AdaptivePolicy(TREE, None)
+    _accept(policy, TREE, 1)
+    policy.choose(4)
+    teach_times(policy, 4, 0.040, {})
+    assert policy.choose(4) == TREE  # nothing measured anywhere: probed at once
+    policy.observe(4, TREE, 0.040 * 20, [0] * 4, sizes=[TREE.num_draft_tokens] * 4)
+    assert policy.choose(4) is None and policy.buckets[4].probe is None
+    arm = policy.buckets[4].arm(TREE.num_steps)
+    assert arm.seconds() == pytest.approx(0.8)
+    teach_times(policy, 3, 0.035, {})
+    assert policy._times(policy.buckets[3], 3)[TREE.num_steps] == pytest.approx(0.035 + 0.76 * 3 / 4)
+    assert [policy.choose(3) for _ in range(WINDOW)] == [None] * WINDOW
+
+
 @pytest.mark.parametrize("dear, waits", [(0.480, True), (0.180, True), (0.080, False)])
 def test_a_new_bucket_below_a_losing_one_waits_only_where_drafting_could_not_pay(dear, waits):
     """A batch draining from 4 to 3: bucket 3 borrows bucket 4's measured extra scaled down to 3 rows.

@@ -371,10 +371,11 @@ def test_a_hybrid_tree_pays_for_its_branch(batch):
     assert sim.goodput(CONVERGE) >= 0.95 * best, sim.goodput(CONVERGE) / best
 
 
-# where the default falls short of 0.98x on this simulator (0.968-0.976x at this change): a chain explores
-# each of its depths, and at batch 1 a close call (static 1.19x of plain at 0.4 a level) is judged request
-# by request; strict, so that a change that closes the gap says so
-SHORT = {("chain", 1, 0.7), ("chain", 4, 0.7), ("tree", 1, 0.4), ("chain", 1, 0.4)}
+# where the default falls short of 0.98x on this simulator (0.962-0.980x; the chain at batch 1 and 0.7 a
+# level reached 0.987x once a probe stopped at its first step kept that step as the arm's figure): a chain
+# explores each of its depths, and at batch 1 a close call (static 1.19x of plain at 0.4 a level) is judged
+# request by request; strict, so that a change that closes the gap says so
+SHORT = {("chain", 4, 0.7), ("tree", 1, 0.4), ("chain", 1, 0.4)}
 
 
 @pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])

@@ -152,11 +152,12 @@ class AdaptivePolicy(Acceptance):
         if bk.probe is not None:
             d = bk.probe
             whole = self._whole(d, caps, expected)
-            if bk.probe_left > 0 and bk.arm(d).fresh is not None and whole and not self._cannot_win(bk, b, d, whole):
+            lost = bk.arm(d).fresh is not None and bool(whole) and self._cannot_win(bk, b, d, whole)
+            if bk.probe_left > 0 and bk.arm(d).fresh is not None and whole and not lost:
                 bk.probe_left -= 1
                 bk.exploring = True
                 return self._count(d, whole, "probe", ("probe", d, 0.0, 0.0))
-            bk.arm(d).settle()
+            bk.arm(d).settle(judged=lost)
             bk.probe = None
             times = self._times(bk, b)
         if times[0] is None:  # plain decoding first: what every option is measured against
