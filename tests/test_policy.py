@@ -10,7 +10,7 @@ from augury import LLM, SamplingParams
 from augury.config import EngineConfig
 from augury.core.request import Request
 from augury.speculative.adaptive import EXPLORE_SHARE, AdaptivePolicy, PRIOR_RATE
-from augury.speculative.arms import MIN_SEEN, WINDOW
+from augury.speculative.arms import FREE, MIN_SEEN, WINDOW
 from augury.speculative.policy import StaticPolicy, TreeShape
 from policy_helpers import fake_clock, teach_times
 from speculative_helpers import make_target, random_head
@@ -486,6 +486,26 @@ def test_free_drafts_run_where_they_pay_and_are_re_measured_where_they_do_not() 
             policy.observe_free(16, 28, 0.030)
     lost = sum(allowed) * (0.030 - 28 * 0.015 / 16)
     assert 0 < sum(allowed) and lost <= EXPLORE_SHARE * 0.015 * 3000 + MIN_SEEN * 0.030
+
+
+def test_free_steps_that_tried_a_thread_count_count_whole_in_what_they_realize() -> None:
+    """Free steps at batch 4, two in ten of which tried another thread count for their row count
+    (untimed: 8 tokens in 100 ms), the others 8 tokens in 25 ms, against plain decoding's 4 tokens in
+    15 ms: the tries are the free steps' own cost, so what the arm realizes counts them whole (trimmed
+    as a busy neighbour's spikes, the arm would read 320 tok/s) and, below plain decoding's rate, the
+    steps stop; a stalled timed step among fast ones is still trimmed."""
+    policy = AdaptivePolicy(TREE, None)
+    teach_times(policy, 4, 0.015, {})
+    assert policy.free_allowed(4)
+    for i in range(10):
+        policy.observe_free(4, 8, 0.100 if i % 5 == 4 else 0.025, timed=i % 5 != 4)
+    assert policy.buckets[4].arm(FREE).realized() == pytest.approx(8 / 0.040)
+    assert not policy.free_allowed(4)
+    teach_times(policy, 1, 0.003, {})
+    for i in range(MIN_SEEN + 1):
+        assert policy.free_allowed(1)
+        policy.observe_free(1, 4, 0.5 if i == 3 else 0.004)
+    assert policy.free_allowed(1)
 
 
 def test_free_steps_verify_as_many_drafts_as_pay_for_their_rows() -> None:

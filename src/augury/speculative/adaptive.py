@@ -464,7 +464,8 @@ class AdaptivePolicy(Acceptance):
             seconds = max(seconds, t0 + (seconds - t0) / share)
         bk.arm(depth).add(seconds, forced, bk.steps)
 
-    def _ran(self, bk: Bucket, key: int, tokens: float, seconds: float, wall: float | None = None) -> None:
+    def _ran(self, bk: Bucket, key: int, tokens: float, seconds: float, wall: float | None = None,
+             trimmed: bool = True) -> None:
         """A step as it ran: the credit grows by EXPLORE_SHARE of it, and an exploring step pays what it
         lost against the rule's choice (the time that choice needs for the same tokens), its whole wall
         time counted (a head's catch-up over the prompts of a batch of new requests is most of a probe's
@@ -473,7 +474,7 @@ class AdaptivePolicy(Acceptance):
         bk.credit += EXPLORE_SHARE * spent
         if bk.exploring:
             bk.credit -= spent - tokens / max(bk.best, 1e-12)
-        bk.arm(key).ran(tokens, seconds)
+        bk.arm(key).ran(tokens, seconds, trimmed)
         bk.exploring = False
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
@@ -593,7 +594,11 @@ class AdaptivePolicy(Acceptance):
             self.learn_chain(*chain)
         bk = self._bucket(batch_size)
         bk.exploring = False  # (charged when decided)
-        self._ran(bk, FREE, tokens, seconds)
+        # an untimed free step tried another thread count (cpu/threads.py) for its row count, which only
+        # such steps call: its whole time counts in what they realize, never trimmed as noise (agentic
+        # loops at batch 4, AVX2: a third of the free steps were such tries, at 131 tok/s against the
+        # timed ones' 281 and plain decoding's 230-280; trimmed, the arm read 259-290 and kept verifying)
+        self._ran(bk, FREE, tokens, seconds, trimmed=timed)
         if timed:
             bk.arm(FREE).add(seconds, tokens - batch_size - lookup, bk.steps)
             if rows is not None:

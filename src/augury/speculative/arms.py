@@ -56,7 +56,8 @@ class Arm:
     def __init__(self) -> None:
         self.recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (seconds, forced tokens accepted)
         self.fresh: list[tuple[float, float]] | None = None  # a refresh's steps, replacing `recent` once enough
-        self.real: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (tokens, seconds) of its steps as run
+        # (tokens, seconds, trimmed) of its steps as run; trimmed False: a step counted whole (realized)
+        self.real: deque[tuple[float, float, bool]] = deque(maxlen=WINDOW)
         self.last: int | None = None  # bucket step of its last timed step (None: none)
         self.least = MIN_SEEN  # timed steps before its estimate counts (fewer after a refresh cut short)
         # (what, key, value) per figure: seconds / forced / realized, asked many times a step (a trimmed
@@ -75,8 +76,8 @@ class Arm:
             self.recent = deque(self.fresh, maxlen=WINDOW)
             self.fresh, self.least = None, MIN_SEEN
 
-    def ran(self, tokens: float, seconds: float) -> None:
-        self.real.append((tokens, seconds))
+    def ran(self, tokens: float, seconds: float, trimmed: bool = True) -> None:
+        self.real.append((tokens, seconds, trimmed))
 
     def _cached(self, what: str, window: deque, compute) -> float | None:
         key = (len(window), window[-1] if window else None, self.least)
@@ -100,12 +101,18 @@ class Arm:
         return self._cached("forced", self.recent, lambda: mean([f for _, f in self.recent]))
 
     def realized(self) -> float | None:
-        """Tokens per second as its last steps ran: mean tokens over the trimmed mean seconds (one step a
-        busy neighbour stalled must not condemn the arm); None before MIN_SEEN steps."""
+        """Tokens per second as its last steps ran: mean tokens over mean seconds, the seconds of the steps
+        that may be trimmed taken as their trimmed mean (one step a busy neighbour stalled must not
+        condemn the arm), the others' whole (a cost the arm brings on itself, however rare: a free step's
+        thread-count trial, see AdaptivePolicy.observe_free); None before MIN_SEEN steps."""
         if len(self.real) < MIN_SEEN:
             return None
-        return self._cached("realized", self.real, lambda: mean([k for k, _ in self.real])
-                            / max(trimmed_mean([s for _, s in self.real]), 1e-12))
+        return self._cached("realized", self.real, self._realized)
+
+    def _realized(self) -> float:
+        trim = [s for _, s, t in self.real if t]
+        seconds = (len(trim) * trimmed_mean(trim) if trim else 0.0) + sum(s for _, s, t in self.real if not t)
+        return mean([k for k, _, _ in self.real]) / max(seconds / len(self.real), 1e-12)
 
     def held(self, rate: float, plain: float) -> float:
         """The guard: a predicted tokens/s, or what the arm realized where that fell below GUARD_MARGIN
