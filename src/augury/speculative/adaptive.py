@@ -152,8 +152,9 @@ class AdaptivePolicy(Acceptance):
         if bk.probe is not None:
             d = bk.probe
             whole = self._whole(d, caps, expected)
-            lost = bk.arm(d).fresh is not None and bool(whole) and self._cannot_win(bk, b, d, whole)
-            if bk.probe_left > 0 and bk.arm(d).fresh is not None and whole and not lost:
+            going = bk.arm(d).fresh is not None and bool(whole)
+            lost = going and self._cannot_win(bk, b, d, whole)
+            if bk.probe_left > 0 and going and not lost:
                 bk.probe_left -= 1
                 bk.exploring = True
                 return self._count(d, whole, "probe", ("probe", d, 0.0, 0.0))
