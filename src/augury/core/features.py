@@ -133,8 +133,12 @@ class FeatureStore:
         elif n == 0:
             feats = self.buf.new_empty(0, self.buf.shape[2])
         else:
-            rows = torch.arange(req.num_computed - n, req.num_computed) % self.window
-            feats = self.buf[req.feat_slot, rows.to(self.buf.device)]
+            first = (req.num_computed - n) % self.window
+            if first + n <= self.window:  # a slice of the slot's ring (a copy all the same: the ring moves on)
+                feats = self.buf[req.feat_slot, first: first + n].clone()
+            else:
+                rows = torch.arange(req.num_computed - n, req.num_computed) % self.window
+                feats = self.buf[req.feat_slot, rows.to(self.buf.device)]
         req.num_pending = req.draft_skip = 0
         return skip, feats
 

@@ -53,8 +53,10 @@ class FusedHead:
         self.inter, self.eps, self.vd = cfg.intermediate_size, float(cfg.rms_norm_eps), cfg.draft_vocab_size
         self.aux_width = head.fc.in_features
         self.lm_columns = _columns(head.lm_head)
-        self.cos = head.rotary.cos.to(torch.bfloat16)  # [L, hd]: the torch head's cos[positions].to(bfloat16)
-        self.sin = head.rotary.sin.to(torch.bfloat16)
+        # [L, hd]: the torch head's cos[positions].to(bfloat16), as the bits of numpy rows (indexed a call)
+        self.cos = head.rotary.cos.to(torch.bfloat16).view(torch.int16).numpy()
+        self.sin = head.rotary.sin.to(torch.bfloat16).view(torch.int16).numpy()
+        self._rows = np.arange(0, dtype=np.int64)  # 0 .. t - 1, the packed embedding's rows (_rows_at)
         self.table, self.epoch, self.held = self._table()
 
     @staticmethod
@@ -90,6 +92,12 @@ class FusedHead:
         held = [*_held_now(head), *(t for lin in _linears(head) for t in lin.buffers())]
         return torch.tensor(row, dtype=torch.int64), epoch(), held
 
+    def _rows_at(self, t: int) -> np.ndarray:
+        """0 .. t - 1 (int64): the rows of a call's looked-up embedding table, one array for every call."""
+        if len(self._rows) < t:
+            self._rows = np.arange(max(t, 2 * len(self._rows)), dtype=np.int64)
+        return self._rows[:t]
+
     def _current(self) -> torch.Tensor:
         """The table, rebuilt where a module moved or converted (models/fused.py's counter) or one of the
         head's linears, norms or norm weights was replaced."""
@@ -108,40 +116,45 @@ class FusedHead:
         Returns (the pre-norm outputs [T, H] float32, the top k draft ids [R, k] int64 and their
         log-probabilities [R, k] float32 for the rows logit_rows [R])."""
         t = len(tokens)
+        # (each conversion below is skipped where the argument is already as the kernel reads it: a draft
+        # level's call is ~0.2 ms of kernel on the demo, and its Python was ~80 us of ~20 small calls)
         if aux is not None:
-            aux = aux.to(torch.bfloat16).contiguous()
+            if aux.dtype != torch.bfloat16 or not aux.is_contiguous():
+                aux = aux.to(torch.bfloat16).contiguous()
             h = torch.empty(t, self.h, dtype=torch.float32)
-        else:
+        elif h.dtype != torch.float32 or not h.is_contiguous():
             h = h.to(torch.float32).contiguous()
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-        slot_mapping = np.ascontiguousarray(slot_mapping, dtype=np.int64)
-        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        positions = _int64(positions)
+        cos, sin = self.cos[positions], self.sin[positions]  # numpy rows of the bfloat16 tables' bits
+        slot_mapping, slots, rows = _int64(slot_mapping), _int64(slots), _int64(logit_rows)
         nkeys = np.ascontiguousarray(nkeys, dtype=np.int32)
-        rows = np.ascontiguousarray(logit_rows, dtype=np.int64)
         r = len(rows)
         ids = torch.empty(r, k, dtype=torch.int64)
         lp = torch.empty(r, k, dtype=torch.float32)
         if cache_k.dtype != torch.bfloat16 or cache_v.dtype != torch.bfloat16 or not cache_k.is_contiguous() \
                 or not cache_v.is_contiguous():
             raise ValueError("the head kernel reads a contiguous bfloat16 cache")
-        emb = self.head.embed
+        emb = self.head._modules["embed"]
         if isinstance(emb, PackedEmbedding):  # the tokens' rows alone as the table: no dense copy of it
-            emb, tokens = emb.lookup(tokens.tolist()).contiguous(), np.arange(t, dtype=np.int64)
+            emb, tokens = emb.lookup(tokens.tolist()).contiguous(), self._rows_at(t)
         else:
-            emb = emb.weight
+            emb, tokens = emb.weight, _int64(tokens)
         rc = self.kernel.run(
             self._current().data_ptr(), t, self.h, self.aux_width if aux is not None else 0, self.nh, self.nkv,
             self.hd, self.inter, self.eps, None if aux is None else aux.data_ptr(), h.data_ptr(), tokens.ctypes.data,
             emb.data_ptr(), emb.shape[0], cache_k.data_ptr(), cache_v.data_ptr(), cache_k.shape[0],
             slot_mapping.ctypes.data, slots.ctypes.data, nkeys.ctypes.data, slots.shape[1] if slots.ndim == 2 else 1,
-            cos.data_ptr(), sin.data_ptr(), rows.ctypes.data, r, self.lm_columns, self.vd, k, ids.data_ptr(),
+            cos.ctypes.data, sin.ctypes.data, rows.ctypes.data, r, self.lm_columns, self.vd, k, ids.data_ptr(),
             lp.data_ptr(), threads or cpu_threads.current())
         if rc:
             raise RuntimeError(f"the head kernel failed (code {rc}: "
                                f"{'bad shapes, ids or slots' if rc == 1 else 'out of memory'})")
         return h, ids, lp
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    """a as a C-contiguous int64 array (itself where it is one)."""
+    return a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _held_now(head) -> tuple:

@@ -171,6 +171,8 @@ class Eagle3Proposer:
         last = torch.empty(b, self.head.cfg.hidden_size, dtype=torch.float32)
         top_id = torch.empty(b, k, dtype=torch.int64)
         top_lp = torch.empty(b, k, dtype=torch.float32)
+        whole = list(range(b))
+        self.context_slots = [None] * b  # each request's slots of its positions 0 .. num_computed - 1 (levels')
         todo = [(i, j0, min(j0 + CATCH_UP_ROWS, f.shape[0])) for i, f in enumerate(feats)
                 for j0 in range(0, f.shape[0], CATCH_UP_ROWS)]
         while todo:
@@ -200,12 +202,18 @@ class Eagle3Proposer:
                 if j1 == feats[i].shape[0]:
                     logit_rows.append(t + n - 1)
                     owners.append(i)
+                    self.context_slots[i] = sl
                 r.draft_len = p0 + n
                 t += n
-            out, ids, lp = fused.run(cache.k[0], cache.v[0], np.concatenate(tokens), np.concatenate(positions),
-                                     np.concatenate(mapping), slots, np.concatenate(nkeys), np.asarray(logit_rows), k,
-                                     aux=torch.cat(aux))
-            if owners:
+            one = len(call) == 1
+            out, ids, lp = fused.run(cache.k[0], cache.v[0], tokens[0] if one else np.concatenate(tokens),
+                                     positions[0] if one else np.concatenate(positions),
+                                     mapping[0] if one else np.concatenate(mapping), slots,
+                                     nkeys[0] if one else np.concatenate(nkeys), np.asarray(logit_rows), k,
+                                     aux=aux[0] if one else torch.cat(aux))
+            if owners == whole:  # every request's last row in this one call, in order (a decode step's)
+                last, top_id, top_lp = out[logit_rows] if len(logit_rows) < len(out) else out, ids, lp
+            elif owners:
                 idx = torch.tensor(owners)
                 last[idx] = out[torch.tensor(logit_rows)]
                 top_id[idx], top_lp[idx] = ids, lp
@@ -253,14 +261,31 @@ class Eagle3Proposer:
         self.catch_up_seconds = clock(dev) - t0 if timing else 0.0
         nc = [r.num_computed for r in reqs]
         roots = torch.tensor([r.last_token_id for r in reqs])
+        if self.fused is not None:
+            toks, pars, scores = _KernelLevels(self, reqs, nc, k, steps).grow(top_id, top_lp, parent_h)
+            tree = select_tree(roots, toks, pars, scores, shape.num_draft_tokens)
+        else:
+            tree = self._torch_levels(host, reqs, nc, k, steps, roots, parent_h, top_id, top_lp,
+                                      shape.num_draft_tokens)
+        if self.ngram_branch and self.drafter is not None:
+            drafts = [self.drafter.draft_for(r, self.ngram_branch) for r in reqs]
+            tree = graft_trees(tree, [(d.tokens, d.parents) for d in drafts])
+        elif self.ngram_branch:
+            tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
+        return tree
+
+    def _torch_levels(self, host: TargetHost, reqs: list[Request], nc: list[int], k: int, steps: int,
+                      roots: torch.Tensor, parent_h: torch.Tensor, top_id: torch.Tensor, top_lp: torch.Tensor,
+                      num_nodes: int) -> DraftTree:
+        """The draft levels after the first on the torch head (any device), and the tree they give."""
+        head, dev, b = self.head, self.device, len(reqs)
         cand_tok, cand_par, cand_score = [head.to_target_ids(top_id)], [torch.full((b, k), -1, device=dev)], [top_lp]
         frontier_tok, frontier_score = cand_tok[0], top_lp  # [B, k]
         frontier_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         frontier_h = parent_h[:, None, :].expand(b, k, parent_h.shape[-1])  # [B, k, H]
         parent_slot = None  # which node of the previous frontier each frontier node grew from (None: the root)
         if steps > 1:
-            levels = (_KernelLevels(self, reqs, nc, k, steps) if self.fused is not None
-                      else _TorchLevels(self, reqs, nc, k, steps, host.block_size))
+            levels = _TorchLevels(self, reqs, nc, k, steps, host.block_size)
         n_cand = k
         for s in range(1, steps):
             out, c_lp, c_id = levels.step(s, frontier_tok, frontier_h, parent_slot)  # [B, k, H], [B, k, k] twice
@@ -278,14 +303,8 @@ class Eagle3Proposer:
             frontier_cand = n_cand + best
             frontier_h = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]))
             n_cand += k * k
-        tree = select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
-                           torch.cat(cand_score, 1).float().cpu(), shape.num_draft_tokens)
-        if self.ngram_branch and self.drafter is not None:
-            drafts = [self.drafter.draft_for(r, self.ngram_branch) for r in reqs]
-            tree = graft_trees(tree, [(d.tokens, d.parents) for d in drafts])
-        elif self.ngram_branch:
-            tree = graft_chains(tree, [lookup(r.all_token_ids, self.ngram_branch) for r in reqs])
-        return tree
+        return select_tree(roots, torch.cat(cand_tok, 1).cpu(), torch.cat(cand_par, 1).cpu(),
+                           torch.cat(cand_score, 1).float().cpu(), num_nodes)
 
 
 class _TorchLevels:
@@ -328,33 +347,64 @@ class _TorchLevels:
 class _KernelLevels:
     """Draft levels 1 .. steps - 1 on the head kernel, one call each for the whole batch: node (b, i) of
     level s keeps its key at a scratch slot of its own and attends to its request's context slots,
-    then its ancestors' slots and its own (the path from the root)."""
+    then its ancestors' slots and its own (the path from the root). The frontier's bookkeeping in
+    numpy: the torch operators of _torch_levels on these few numbers cost ~3-5 us each, ~0.3 ms of a
+    ~2.3 ms proposer call over a chain of 3 on the demo (AVX2 EPYC), numpy's ~1 us."""
 
     def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int) -> None:
-        b, fed = len(reqs), k * (steps - 1)
-        self.fused, self.k, self.b, self.fed = prop.fused, k, b, fed
-        self.base = prop.scratch(b * fed)
+        b, fed = len(reqs), k * max(steps - 1, 0)
+        self.fused, self.k, self.b, self.fed, self.steps = prop.fused, k, b, fed, steps
+        self.d2t = prop.head.d2t.numpy()
+        self.base = prop.scratch(b * fed) if fed else 0
         self.cache = prop.cache
         self.nc = np.asarray(nc, dtype=np.int64)
-        self.ctx = [prop._slots(r, n) for r, n in zip(reqs, nc)]
-        self.path = np.zeros((b, k, 0), dtype=np.int64)  # each frontier node's fed slots, root side first
+        # the catch-up's slots (catch_up_fused: the same positions), computed where it had none for a request
+        kept = getattr(prop, "context_slots", None) or [None] * b
+        self.ctx = [c if c is not None and len(c) == n else prop._slots(r, n) for c, r, n in zip(kept, reqs, nc)]
 
-    def step(self, s: int, tok: torch.Tensor, h: torch.Tensor, parent_slot: torch.Tensor | None):
-        b, k, nc = self.b, self.k, self.nc
-        own = self.base + np.arange(b)[:, None] * self.fed + (s - 1) * k + np.arange(k)[None, :]  # [B, k]
-        path = self.path
-        if parent_slot is not None:
-            path = np.take_along_axis(path, parent_slot.numpy()[:, :, None], axis=1)
-        self.path = path = np.concatenate([path, own[:, :, None]], axis=2)  # [B, k, s]
-        slots = np.zeros((b, k, int(nc.max()) + s), dtype=np.int64)
-        for i in range(b):
-            slots[i, :, : nc[i]] = self.ctx[i]
-            slots[i, :, nc[i] : nc[i] + s] = path[i]
-        rows = b * k
-        out, ids, lp = self.fused.run(self.cache.k[0], self.cache.v[0], tok.reshape(rows).numpy(),
-                                      np.repeat(nc - 1 + s, k), own.reshape(rows), slots.reshape(rows, -1),
-                                      np.repeat(nc + s, k), np.arange(rows), k, h=h.reshape(rows, -1))
-        return out.view(b, k, -1), lp.view(b, k, k), ids.view(b, k, k)
+    def grow(self, top_id: torch.Tensor, top_lp: torch.Tensor, parent_h: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the first level's top k (ids in the draft vocabulary, log-probabilities [B, k]) and the
+        head's output at each request's last position [B, H]: every level's candidates, as select_tree
+        takes them (target ids, parents, cumulative log-probabilities [B, M])."""
+        b, k, nc, d2t = self.b, self.k, self.nc, self.d2t
+        ids, score = top_id.numpy(), top_lp.numpy()
+        frontier_tok = ids + d2t[ids]  # [B, k] target ids
+        cand_tok, cand_par, cand_score = [frontier_tok], [np.full((b, k), -1, dtype=np.int64)], [score]
+        frontier_cand = np.broadcast_to(np.arange(k, dtype=np.int64), (b, k))  # each frontier node's candidate
+        h = parent_h.float().repeat_interleave(k, 0) if k > 1 else parent_h.float()  # [B k, H]
+        path = np.zeros((b, k, 0), dtype=np.int64)  # each frontier node's fed slots, root side first
+        n_cand = k
+        for s in range(1, self.steps):
+            own = self.base + np.arange(b)[:, None] * self.fed + (s - 1) * k + np.arange(k)[None, :]  # [B, k]
+            path = np.concatenate([path, own[:, :, None]], axis=2)  # [B, k, s]
+            slots = np.zeros((b, k, int(nc.max()) + s), dtype=np.int64)
+            for i in range(b):
+                slots[i, :, : nc[i]] = self.ctx[i]
+                slots[i, :, nc[i]: nc[i] + s] = path[i]
+            rows = b * k
+            out, c_id, c_lp = self.fused.run(self.cache.k[0], self.cache.v[0], frontier_tok.reshape(rows),
+                                             np.repeat(nc - 1 + s, k), own.reshape(rows), slots.reshape(rows, -1),
+                                             np.repeat(nc + s, k), np.arange(rows), k, h=h)
+            c_id, c_lp = c_id.numpy().reshape(b, k, k), c_lp.numpy().reshape(b, k, k)
+            scores = (score[:, :, None] + c_lp).reshape(b, k * k)
+            toks = (c_id + d2t[c_id]).reshape(b, k * k)
+            cand_tok.append(toks)
+            cand_par.append(np.repeat(frontier_cand, k, axis=1))
+            cand_score.append(scores)
+            # the best k children become the next frontier (ties: the earlier child)
+            best = np.argsort(-scores, axis=1, kind="stable")[:, :k] if k > 1 else np.zeros((b, 1), dtype=np.int64)
+            parent = best // k  # which frontier node each came from
+            frontier_tok = np.take_along_axis(toks, best, 1)
+            score = np.take_along_axis(scores, best, 1)
+            frontier_cand = n_cand + best
+            path = np.take_along_axis(path, parent[:, :, None], axis=1)
+            # the next level's input: each new frontier node's parent's output (the kernel wrote `out` in h)
+            h = out if k == 1 else out.view(b, k, -1)[torch.arange(b)[:, None], torch.from_numpy(parent)].reshape(rows, -1)
+            n_cand += k * k
+        cat = np.concatenate
+        return (torch.from_numpy(cat(cand_tok, 1)), torch.from_numpy(cat(cand_par, 1)),
+                torch.from_numpy(cat(cand_score, 1).astype(np.float32, copy=False)))
 
 
 def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
