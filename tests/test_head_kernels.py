@@ -229,3 +229,86 @@ def test_the_scratch_region_grows_keeping_the_heads_cache(ckpts) -> None:
 def test_without_the_kernels_the_torch_head_drafts(ckpts, monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "head", lambda: None)
     assert _llm(ckpts).engine.speculator.proposer.fused is None
+
+
+class _ScriptedHead:
+    """A stand-in for FusedHead.run whose answers follow from each row's input alone: a row fed token x
+    with state h gives out = 31 h + x + 1, and children ids (3 x + 7 j + h) mod 50 with log-probabilities
+    falling in j; it records each row's key slot by its output and checks the row's slot list: the
+    request's context, then its ancestors' key slots from the root, then its own."""
+
+    def __init__(self, context: list[int]) -> None:
+        self.context, self.paths, self.calls = context, {}, 0
+
+    def run(self, cache_k, cache_v, tokens, positions, slot_mapping, slots, nkeys, logit_rows, k, h=None):
+        self.calls += 1
+        out = torch.empty(len(tokens), h.shape[1])
+        ids, lp = torch.empty(len(tokens), k, dtype=torch.int64), torch.empty(len(tokens), k)
+        for t, (x, own) in enumerate(zip(tokens.tolist(), slot_mapping.tolist())):
+            state = float(h[t, 0])
+            path = self.paths.get(state, []) + [own]  # (a level-0 row's state is the catch-up's: no path)
+            assert slots[t, : nkeys[t]].tolist() == self.context + path
+            out[t] = 31 * state + x + 1
+            self.paths[float(out[t, 0])] = path
+            ids[t] = torch.tensor([(3 * x + 7 * j + int(state)) % 50 for j in range(k)])
+            lp[t] = torch.tensor([-(j + 1) - 0.01 * ((x + j) % 5) for j in range(k)])
+        h.copy_(out)  # the kernel writes its output over its input state
+        return h, ids, lp
+
+
+def _scripted_tree(first: list[tuple[int, float]], state: float, k: int, steps: int):
+    """The candidates the levels should give, level by level in plain Python: every frontier node
+    fed, its k children scored by their path's log-probabilities, the best k (the earlier on ties)
+    the next frontier, each carrying its parent's output as its state."""
+    toks, pars, scores = [t for t, _ in first], [-1] * k, [s for _, s in first]
+    frontier = [(j, t, s, state) for j, (t, s) in enumerate(first)]  # (candidate, token, score, state)
+    for _ in range(1, steps):
+        level = []
+        for cand, x, score, st in frontier:
+            out = 31 * st + x + 1
+            for j in range(k):
+                level.append((len(toks) + len(level), (3 * x + 7 * j + int(st)) % 50,
+                              score + (-(j + 1) - 0.01 * ((x + j) % 5)), out, cand))
+        for c, x, s, _, parent in level:
+            toks.append(x)
+            pars.append(parent)
+            scores.append(s)
+        best = sorted(level, key=lambda n: -n[2])[:k]
+        frontier = [(c, x, s, st) for c, x, s, st, _ in best]
+    return toks, pars, scores
+
+
+@pytest.mark.parametrize("k,steps", [(1, 3), (2, 3), (3, 4)])
+def test_the_kernel_levels_grow_each_frontier_from_its_own_parent(k, steps) -> None:
+    """The kernel path's draft levels (numpy bookkeeping): each candidate's token, parent and path score,
+    each fed row's state (its parent's output) and key slots (its ancestors'), against the same tree
+    grown in plain Python from the same scripted head answers; two requests of different contexts."""
+    from types import SimpleNamespace
+
+    from augury.speculative.eagle3_proposer import _KernelLevels
+
+    heads = [_ScriptedHead(list(range(100, 100 + n))) for n in (5, 9)]
+
+    class Both:  # each request's rows to its own scripted head (their contexts differ)
+        def run(self, ck, cv, tokens, positions, mapping, slots, nkeys, rows, k, h=None):
+            b = len(heads)
+            per = len(tokens) // b
+            outs = [hd.run(ck, cv, tokens[i * per:(i + 1) * per], positions, mapping[i * per:(i + 1) * per],
+                           slots[i * per:(i + 1) * per], nkeys[i * per:(i + 1) * per], rows, k,
+                           h=h[i * per:(i + 1) * per].clone()) for i, hd in enumerate(heads)]
+            h.copy_(torch.cat([o[0] for o in outs]))
+            return h, torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
+
+    prop = SimpleNamespace(fused=Both(), head=SimpleNamespace(d2t=torch.zeros(50, dtype=torch.int64)),
+                           scratch=lambda n: 1000, cache=SimpleNamespace(k=[None], v=[None]),
+                           context_slots=[np.arange(100, 105), np.arange(100, 109)], _slots=None)
+    levels = _KernelLevels(prop, [None, None], [5, 9], k, steps)
+    first_ids = torch.tensor([[(4 + 9 * j) % 50 for j in range(k)], [(11 + 5 * j) % 50 for j in range(k)]])
+    first_lp = torch.tensor([[-0.5 - j for j in range(k)], [-0.25 - 1.5 * j for j in range(k)]])
+    parent_h = torch.tensor([[2.0] * 8, [3.0] * 8])
+    toks, pars, scores = levels.grow(first_ids, first_lp, parent_h)
+    for b, st in enumerate((2.0, 3.0)):
+        want = _scripted_tree(list(zip(first_ids[b].tolist(), first_lp[b].tolist())), st, k, steps)
+        assert toks[b].tolist() == want[0] and pars[b].tolist() == want[1]
+        assert scores[b].tolist() == pytest.approx(want[2], abs=1e-5)
+        assert heads[b].calls == steps - 1
