@@ -300,9 +300,8 @@ def test_the_kernel_levels_grow_each_frontier_from_its_own_parent(k, steps) -> N
             return h, torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
 
     prop = SimpleNamespace(fused=Both(), head=SimpleNamespace(d2t=torch.zeros(50, dtype=torch.int64)),
-                           scratch=lambda n: 1000, cache=SimpleNamespace(k=[None], v=[None]),
-                           context_slots=[np.arange(100, 105), np.arange(100, 109)], _slots=None)
-    levels = _KernelLevels(prop, [None, None], [5, 9], k, steps)
+                           scratch=lambda n: 1000, cache=SimpleNamespace(k=[None], v=[None]), _slots=None)
+    levels = _KernelLevels(prop, [None, None], [5, 9], k, steps, [np.arange(100, 105), np.arange(100, 109)])
     first_ids = torch.tensor([[(4 + 9 * j) % 50 for j in range(k)], [(11 + 5 * j) % 50 for j in range(k)]])
     first_lp = torch.tensor([[-0.5 - j for j in range(k)], [-0.25 - 1.5 * j for j in range(k)]])
     parent_h = torch.tensor([[2.0] * 8, [3.0] * 8])

@@ -172,7 +172,8 @@ class Eagle3Proposer:
         top_id = torch.empty(b, k, dtype=torch.int64)
         top_lp = torch.empty(b, k, dtype=torch.float32)
         whole = list(range(b))
-        self.context_slots = [None] * b  # each request's slots of its positions 0 .. num_computed - 1 (levels')
+        # each request's slots of its positions 0 .. num_computed - 1, for this call's draft levels (_KernelLevels)
+        self.context_slots: list[np.ndarray | None] = [None] * b
         todo = [(i, j0, min(j0 + CATCH_UP_ROWS, f.shape[0])) for i, f in enumerate(feats)
                 for j0 in range(0, f.shape[0], CATCH_UP_ROWS)]
         while todo:
@@ -262,7 +263,8 @@ class Eagle3Proposer:
         nc = [r.num_computed for r in reqs]
         roots = torch.tensor([r.last_token_id for r in reqs])
         if self.fused is not None:
-            toks, pars, scores = _KernelLevels(self, reqs, nc, k, steps).grow(top_id, top_lp, parent_h)
+            levels = _KernelLevels(self, reqs, nc, k, steps, self.context_slots)
+            toks, pars, scores = levels.grow(top_id, top_lp, parent_h)
             tree = select_tree(roots, toks, pars, scores, shape.num_draft_tokens)
         else:
             tree = self._torch_levels(host, reqs, nc, k, steps, roots, parent_h, top_id, top_lp,
@@ -351,16 +353,17 @@ class _KernelLevels:
     numpy: the torch operators of _torch_levels on these few numbers cost ~3-5 us each, ~0.3 ms of a
     ~2.3 ms proposer call over a chain of 3 on the demo (AVX2 EPYC), numpy's ~1 us."""
 
-    def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int) -> None:
+    def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int,
+                 context: list[np.ndarray | None]) -> None:
+        """context: per request, its slots of positions 0 .. nc - 1 where the catch-up just computed them
+        (catch_up_fused's context_slots), else None (computed here)."""
         b, fed = len(reqs), k * max(steps - 1, 0)
         self.fused, self.k, self.b, self.fed, self.steps = prop.fused, k, b, fed, steps
         self.d2t = prop.head.d2t.numpy()
         self.base = prop.scratch(b * fed) if fed else 0
         self.cache = prop.cache
         self.nc = np.asarray(nc, dtype=np.int64)
-        # the catch-up's slots (catch_up_fused: the same positions), computed where it had none for a request
-        kept = getattr(prop, "context_slots", None) or [None] * b
-        self.ctx = [c if c is not None and len(c) == n else prop._slots(r, n) for c, r, n in zip(kept, reqs, nc)]
+        self.ctx = [c if c is not None and len(c) == n else prop._slots(r, n) for c, r, n in zip(context, reqs, nc)]
 
     def grow(self, top_id: torch.Tensor, top_lp: torch.Tensor, parent_h: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -400,7 +403,8 @@ class _KernelLevels:
             frontier_cand = n_cand + best
             path = np.take_along_axis(path, parent[:, :, None], axis=1)
             # the next level's input: each new frontier node's parent's output (the kernel wrote `out` in h)
-            h = out if k == 1 else out.view(b, k, -1)[torch.arange(b)[:, None], torch.from_numpy(parent)].reshape(rows, -1)
+            h = out if k == 1 else \
+                out.view(b, k, -1)[torch.arange(b)[:, None], torch.from_numpy(parent)].reshape(rows, -1)
             n_cand += k * k
         cat = np.concatenate
         return (torch.from_numpy(cat(cand_tok, 1)), torch.from_numpy(cat(cand_par, 1)),
