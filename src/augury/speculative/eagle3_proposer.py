@@ -381,15 +381,7 @@ class _KernelLevels:
         for s in range(1, self.steps):
             own = self.base + np.arange(b)[:, None] * self.fed + (s - 1) * k + np.arange(k)[None, :]  # [B, k]
             path = np.concatenate([path, own[:, :, None]], axis=2)  # [B, k, s]
-            slots = np.zeros((b, k, int(nc.max()) + s), dtype=np.int64)
-            for i in range(b):
-                slots[i, :, : nc[i]] = self.ctx[i]
-                slots[i, :, nc[i]: nc[i] + s] = path[i]
-            rows = b * k
-            out, c_id, c_lp = self.fused.run(self.cache.k[0], self.cache.v[0], frontier_tok.reshape(rows),
-                                             np.repeat(nc - 1 + s, k), own.reshape(rows), slots.reshape(rows, -1),
-                                             np.repeat(nc + s, k), np.arange(rows), k, h=h)
-            c_id, c_lp = c_id.numpy().reshape(b, k, k), c_lp.numpy().reshape(b, k, k)
+            out, c_id, c_lp = self.step(s, frontier_tok, h, path)
             scores = (score[:, :, None] + c_lp).reshape(b, k * k)
             toks = (c_id + d2t[c_id]).reshape(b, k * k)
             cand_tok.append(toks)
@@ -404,11 +396,27 @@ class _KernelLevels:
             path = np.take_along_axis(path, parent[:, :, None], axis=1)
             # the next level's input: each new frontier node's parent's output (the kernel wrote `out` in h)
             h = out if k == 1 else \
-                out.view(b, k, -1)[torch.arange(b)[:, None], torch.from_numpy(parent)].reshape(rows, -1)
+                out.view(b, k, -1)[torch.arange(b)[:, None], torch.from_numpy(parent)].reshape(b * k, -1)
             n_cand += k * k
         cat = np.concatenate
         return (torch.from_numpy(cat(cand_tok, 1)), torch.from_numpy(cat(cand_par, 1)),
                 torch.from_numpy(cat(cand_score, 1).astype(np.float32, copy=False)))
+
+    def step(self, s: int, tok: np.ndarray, h: torch.Tensor, path: np.ndarray
+             ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """Draft level s, one kernel call: the frontier's tokens [B, k] (target ids), input states [B k, H]
+        and key-slot paths from the root [B, k, s] (each node's own slot last) -> the head's outputs [B k, H]
+        (written over h) and each node's k children, draft ids and log-probabilities [B, k, k]."""
+        b, k, nc = self.b, self.k, self.nc
+        slots = np.zeros((b, k, int(nc.max()) + s), dtype=np.int64)
+        for i in range(b):
+            slots[i, :, : nc[i]] = self.ctx[i]
+            slots[i, :, nc[i]: nc[i] + s] = path[i]
+        rows = b * k
+        out, ids, lp = self.fused.run(self.cache.k[0], self.cache.v[0], tok.reshape(rows), np.repeat(nc - 1 + s, k),
+                                      path[:, :, -1].reshape(rows), slots.reshape(rows, -1), np.repeat(nc + s, k),
+                                      np.arange(rows), k, h=h)
+        return out, ids.numpy().reshape(b, k, k), lp.numpy().reshape(b, k, k)
 
 
 def _gather(cache: KVCache, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
