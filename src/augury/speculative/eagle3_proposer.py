@@ -159,11 +159,12 @@ class Eagle3Proposer:
         return table[pos // bs] * bs + pos % bs
 
     def catch_up_fused(self, host: TargetHost, reqs: list[Request], k: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[np.ndarray | None]]:
         """catch_up on the head kernel: every request's pending rows, unpadded, in calls of up to
         CATCH_UP_ROWS rows together; the draft vocabulary's top k at each request's last position
         in the same call. Returns (the head output there [B, H] float32, top ids [B, k], their
-        log-probabilities [B, k])."""
+        log-probabilities [B, k], each request's slots of its positions 0 .. num_computed - 1 where
+        a call computed them, else None: the draft levels', _KernelLevels)."""
         fused, cache = self.fused, self.cache
         feats = self._take(host, reqs)
         start = [r.draft_len for r in reqs]  # feats[i]'s row j is position start[i] + j
@@ -172,8 +173,7 @@ class Eagle3Proposer:
         top_id = torch.empty(b, k, dtype=torch.int64)
         top_lp = torch.empty(b, k, dtype=torch.float32)
         whole = list(range(b))
-        # each request's slots of its positions 0 .. num_computed - 1, for this call's draft levels (_KernelLevels)
-        self.context_slots: list[np.ndarray | None] = [None] * b
+        context: list[np.ndarray | None] = [None] * b
         todo = [(i, j0, min(j0 + CATCH_UP_ROWS, f.shape[0])) for i, f in enumerate(feats)
                 for j0 in range(0, f.shape[0], CATCH_UP_ROWS)]
         while todo:
@@ -203,15 +203,15 @@ class Eagle3Proposer:
                 if j1 == feats[i].shape[0]:
                     logit_rows.append(t + n - 1)
                     owners.append(i)
-                    self.context_slots[i] = sl
+                    context[i] = sl
                 r.draft_len = p0 + n
                 t += n
-            one = len(call) == 1
-            out, ids, lp = fused.run(cache.k[0], cache.v[0], tokens[0] if one else np.concatenate(tokens),
-                                     positions[0] if one else np.concatenate(positions),
-                                     mapping[0] if one else np.concatenate(mapping), slots,
-                                     nkeys[0] if one else np.concatenate(nkeys), np.asarray(logit_rows), k,
-                                     aux=aux[0] if one else torch.cat(aux))
+            if len(call) == 1:  # a lone piece's arrays as they are
+                joined = tokens[0], positions[0], mapping[0], nkeys[0], aux[0]
+            else:
+                joined = (*(np.concatenate(x) for x in (tokens, positions, mapping, nkeys)), torch.cat(aux))
+            out, ids, lp = fused.run(cache.k[0], cache.v[0], *joined[:3], slots, joined[3], np.asarray(logit_rows), k,
+                                     aux=joined[4])
             if owners == whole:  # every request's last row in this one call, in order (a decode step's)
                 last, top_id, top_lp = out[logit_rows] if len(logit_rows) < len(out) else out, ids, lp
             elif owners:
@@ -220,7 +220,7 @@ class Eagle3Proposer:
                 top_id[idx], top_lp[idx] = ids, lp
         for r in reqs:
             self.offer(r)
-        return last, top_id, top_lp
+        return last, top_id, top_lp, context
 
     def _forward(self, toks, h, pos, batch):
         """Head forward that caches the new keys/values at the batch's slots."""
@@ -254,7 +254,7 @@ class Eagle3Proposer:
         timing = sum(r.num_computed - r.draft_len for r in reqs) > (steps + self.extra_nodes + 2) * b
         t0 = clock(dev) if timing else 0.0
         if self.fused is not None:
-            parent_h, top_id, top_lp = self.catch_up_fused(host, reqs, k)
+            parent_h, top_id, top_lp, context = self.catch_up_fused(host, reqs, k)
         else:
             parent_h = self.catch_up(host, reqs)  # [B, H]
             logp = torch.log_softmax(head.logits(parent_h), dim=-1)  # [B, Vd]
@@ -263,7 +263,7 @@ class Eagle3Proposer:
         nc = [r.num_computed for r in reqs]
         roots = torch.tensor([r.last_token_id for r in reqs])
         if self.fused is not None:
-            levels = _KernelLevels(self, reqs, nc, k, steps, self.context_slots)
+            levels = _KernelLevels(self, reqs, nc, k, steps, context)
             toks, pars, scores = levels.grow(top_id, top_lp, parent_h)
             tree = select_tree(roots, toks, pars, scores, shape.num_draft_tokens)
         else:
@@ -356,7 +356,7 @@ class _KernelLevels:
     def __init__(self, prop: Eagle3Proposer, reqs: list[Request], nc: list[int], k: int, steps: int,
                  context: list[np.ndarray | None]) -> None:
         """context: per request, its slots of positions 0 .. nc - 1 where the catch-up just computed them
-        (catch_up_fused's context_slots), else None (computed here)."""
+        (catch_up_fused's), else None (computed here)."""
         b, fed = len(reqs), k * max(steps - 1, 0)
         self.fused, self.k, self.b, self.fed, self.steps = prop.fused, k, b, fed, steps
         self.d2t = prop.head.d2t.numpy()
