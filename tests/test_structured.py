@@ -365,11 +365,62 @@ def test_a_shapers_allowed_ids_are_the_tokens_its_mask_leaves(plain):
     assert bare.allowed_ids(v) is None
 
 
+def test_a_shapers_greedy_at_is_its_greedy_over_the_masked_row(plain):
+    """RequestShaper.greedy_at: from a node's logits at its allowed tokens alone, the token greedy()
+    takes from the whole row that is -inf elsewhere, ties (the first), a NaN and a row of -inf included,
+    at the committed state and along a pushed path; shapes_beyond_mask says when anything else shapes
+    the row (then greedy_at is not asked): a bias, penalties, bad words, min_tokens while it holds."""
+    from augury.sampling import NO_TOKEN
+    from augury.structured import make_shaper
+
+    eng = plain.engine
+    tok, v = eng.tokenizer, eng.model_cfg.vocab_size
+    sh = make_shaper(SamplingParams(structured_outputs=SO(regex="(ab|cd)-[0-9]{1,2}")), PROMPTS[0], vocab_size=v,
+                     device=eng.device, tokenizer=tok, backend=eng.grammar)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for text in ("", "ab", "ab-", "ab-1"):
+        for t in tok.encode(text, add_special_tokens=False) if text else []:
+            sh.push(t)
+        assert not sh.shapes_beyond_mask()
+        ids = sh.allowed_ids(v)
+        assert ids is not None and len(ids)
+        cases = [torch.randn(len(ids), generator=gen), torch.zeros(len(ids)), torch.full((len(ids),), float("-inf"))]
+        if len(ids) > 2:
+            tie = torch.randn(len(ids), generator=gen)
+            tie[[1, 2]] = tie.max() + 1  # the first of two largest
+            nan = torch.randn(len(ids), generator=gen)
+            nan[1] = float("nan")
+            cases += [tie, nan]
+        for values in cases:
+            row = torch.full((v,), float("-inf"))
+            row[torch.as_tensor(ids)] = values
+            want = sh.greedy(row.clone())
+            assert sh.greedy_at(ids, values.numpy()) == want, (text, values)
+            checked += want == NO_TOKEN
+        sh.pop_all()
+    assert checked >= 2  # the -inf rows and the NaN
+    shaped = {"logit_bias": {7: 2.0}, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    for name, value in shaped.items():
+        other = make_shaper(SamplingParams(structured_outputs=SO(regex="ab"), **{name: value}), PROMPTS[0],
+                            vocab_size=v, device=eng.device, tokenizer=tok, backend=eng.grammar)
+        assert other.shapes_beyond_mask(), name
+    bad = make_shaper(SamplingParams(structured_outputs=SO(regex="ab"), bad_words=["cd"]), PROMPTS[0], vocab_size=v,
+                      device=eng.device, tokenizer=tok, backend=eng.grammar)
+    assert bad.shapes_beyond_mask()
+    short = make_shaper(SamplingParams(structured_outputs=SO(regex="ab"), min_tokens=1), PROMPTS[0], vocab_size=v,
+                        device=eng.device, tokenizer=tok, backend=eng.grammar, eos_token_ids=eng.eos_token_ids)
+    assert short.shapes_beyond_mask()  # the stop tokens are masked until one token is out
+    short.commit(tok.encode("a", add_special_tokens=False)[0])
+    assert not short.shapes_beyond_mask()
+
+
 def test_logits_at_the_allowed_tokens_alone_keep_decoding_and_speculation_exact(ckpts):
     """A quantised bfloat16 target (augury's w8a8 output layer): decode steps and verified nodes whose
-    grammar allows few tokens get logits at those tokens alone (TargetModel.masked_logits). Plain
-    greedy output equals plain greedy output from whole rows, and greedy speculative output equals
-    both, under each schema, the forced-token steps included."""
+    grammar allows few tokens get logits at those tokens alone (TargetModel.allowed_logits: masked
+    rows, or a verified node's greedy token from those logits alone). Plain greedy output equals plain
+    greedy output from whole rows, and greedy speculative output equals both, under each schema, the
+    forced-token steps included."""
     from augury.cpu import kernels as cpu_kernels
 
     if cpu_kernels.w8a8() is None:
@@ -381,12 +432,12 @@ def test_logits_at_the_allowed_tokens_alone_keep_decoding_and_speculation_exact(
                  speculative_num_draft_tokens=6, max_num_seqs=8, **common)
     calls = {"plain": [], "spec": []}
     for name, llm in (("plain", plain_q), ("spec", spec_q)):
-        def counted(hidden, allowed, inner=llm.engine.model.masked_logits, seen=calls[name]):
+        def counted(hidden, allowed, inner=llm.engine.model.allowed_logits, seen=calls[name]):
             out = inner(hidden, allowed)
             seen.append(out is not None)
             return out
 
-        llm.engine.model.masked_logits = counted  # decode steps' and (through the engine) verification's
+        llm.engine.model.allowed_logits = counted  # decode steps' and (through the engine) verification's
     for name in sorted(SCHEMAS):
         params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=SO(json=SCHEMAS[name]))
         plain_q.engine._masked_logits = False  # whole rows

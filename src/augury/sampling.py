@@ -91,6 +91,16 @@ class LogitsShaper(Protocol):
         None where no mask applies or it allows more."""
         ...
 
+    def shapes_beyond_mask(self) -> bool:
+        """Whether anything but a grammar's mask (penalties, bias, bad words, min_tokens) shapes the next
+        token at the current state."""
+        ...
+
+    def greedy_at(self, ids: np.ndarray, values: np.ndarray) -> int:
+        """greedy() of a row that is `values` at allowed_ids' `ids` and -inf elsewhere, from the values
+        alone (where shapes_beyond_mask() is False)."""
+        ...
+
     def push(self, token: int) -> None:
         """A verification walk accepted `token` past the current state (undone by pop_all)."""
         ...

@@ -134,6 +134,10 @@ class ShardedTarget(nn.Module):
         self.group.send(("logits", hidden))
         return self.local.logits(hidden)
 
+    def allowed_logits(self, hidden: torch.Tensor, allowed: list) -> None:
+        """None: the vocabulary is split over the ranks (see masked_logits)."""
+        return None
+
     def masked_logits(self, hidden: torch.Tensor, allowed: list) -> None:
         """None: the vocabulary is split over the ranks, so chosen tokens alone are not offered (every
         row takes logits(), the gathered whole)."""

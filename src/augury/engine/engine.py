@@ -280,6 +280,11 @@ class Engine:
         """hidden [..., H] -> float32 logits [..., V]."""
         return self.model.logits(hidden)
 
+    def allowed_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> list[torch.Tensor] | None:
+        """hidden [A, H] -> per row a, float32 logits at its allowed tokens alone (the bits target_logits
+        gives them), or None where the output layer cannot (TargetModel.allowed_logits)."""
+        return self.model.allowed_logits(hidden, allowed)
+
     def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
         """hidden [A, H] -> float32 logits [A, V] at each row's allowed tokens only (-inf elsewhere, the
         bits target_logits gives them), or None where the output layer cannot (TargetModel.masked_logits)."""

@@ -325,16 +325,23 @@ class TargetModel(Watched, nn.Module):
             return self.tp.gather_vocab(out.contiguous(), list(self.shard.vocab_sizes))
         return out
 
-    def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
-        """hidden [A, H] -> float32 [A, V]: row a's logits at the tokens allowed[a] (int64 ids), the bits
-        logits() gives them, and -inf at every other token (what a grammar's mask leaves of logits()),
-        without a pass over the whole output layer; None where the output layer cannot compute chosen
-        columns alone (any but augury's w8a8 one, or under tensor parallelism)."""
+    def allowed_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> list[torch.Tensor] | None:
+        """hidden [A, H] -> per row a, float32 [len(allowed[a])]: its logits at the tokens allowed[a] (int64
+        ids) alone, the bits logits() gives them, without a pass over the whole output layer; None where
+        the output layer cannot compute chosen columns alone (any but augury's w8a8 one, or under tensor
+        parallelism)."""
         head = self.lm_head
         if self.tp is not None or not isinstance(head, W8A8OutputLinear):
             return None
-        vals = head.columns(hidden, allowed)
-        out = torch.full((hidden.shape[0], head.out_features), float("-inf"), dtype=torch.float32)
+        return head.columns(hidden, allowed)
+
+    def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
+        """hidden [A, H] -> float32 [A, V]: allowed_logits at the tokens allowed[a], -inf at every other
+        token (what a grammar's mask leaves of logits()); None where allowed_logits is."""
+        vals = self.allowed_logits(hidden, allowed)
+        if vals is None:
+            return None
+        out = torch.full((hidden.shape[0], self.lm_head.out_features), float("-inf"), dtype=torch.float32)
         for a, (ids, v) in enumerate(zip(allowed, vals)):
             out[a, torch.from_numpy(np.asarray(ids, dtype=np.int64))] = v
         return out

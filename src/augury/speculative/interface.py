@@ -33,6 +33,11 @@ class TargetHost(Protocol):
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def allowed_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> list[torch.Tensor] | None:
+        """Per row of hidden [A, H], target_logits at its allowed token ids alone (same bits, [len(ids)]),
+        or None where the output layer cannot compute chosen tokens alone."""
+        ...
+
     def masked_logits(self, hidden: torch.Tensor, allowed: list[np.ndarray]) -> torch.Tensor | None:
         """target_logits of hidden [A, H] at each row's allowed token ids alone, -inf elsewhere (same
         bits), or None where the output layer cannot compute chosen tokens alone."""

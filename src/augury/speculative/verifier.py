@@ -131,6 +131,22 @@ def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
     return step
 
 
+def _greedy_known(at: Callable[[list[int], list[int]], torch.Tensor],
+                  greedy_at: Callable[[list[int], list[int]], list[int | None]],
+                  shapers: Sequence[LogitsShaper | None]) -> Callable[[list[int], list[int]], list[int]]:
+    """(requests, nodes) -> each visited node's greedy token: greedy_at's where it tells it, else its
+    shaper's greedy (the raw argmax without one) over the row `at` gives."""
+    def wants(bs: list[int], ns: list[int]) -> list[int]:
+        out = greedy_at(bs, ns)
+        rest = [a for a, t in enumerate(out) if t is None]
+        if rest:
+            rows = at([bs[a] for a in rest], [ns[a] for a in rest])
+            for a, t in zip(rest, greedy_ids(rows, [shapers[bs[a]] for a in rest])):
+                out[a] = t
+        return out
+    return wants
+
+
 # --------------------------------------------------------------------------------------- sampling
 
 def _uniform_at(uniforms: Sequence[Sequence[float]], row: int, level: int) -> float:
@@ -177,7 +193,8 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
            top_ks: Sequence[int | None], top_ps: Sequence[float],
            uniforms: Sequence[Sequence[float] | None] | None = None,
            min_ps: Sequence[float] | None = None,
-           shapers: Sequence[LogitsShaper | None] | None = None) -> VerifyResult:
+           shapers: Sequence[LogitsShaper | None] | None = None,
+           greedy_at: Callable[[list[int], list[int]], list[int | None]] | None = None) -> VerifyResult:
     """target_logits [B, N, V] raw logits (or a row function). Rows with temperature 0 verify
     greedily, emitting the same tokens as plain greedy decoding with torch.argmax (first index on
     ties). The others verify by sampling from the filtered target, computed only at visited nodes:
@@ -186,7 +203,9 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
     uniforms. Greedy rows need none (uniforms, or its entry, may be None); a sampled row without
     them is a ValueError. min_ps: per request (None: 0). shapers: per request, a LogitsShaper or None
     (see the module's docstring); every row a shaper shapes is shaped before the argmax or the
-    filters, and the shapers are back at their committed state when verify returns."""
+    filters, and the shapers are back at their committed state when verify returns. greedy_at: (requests,
+    nodes) -> per visited node of a greedy row, its greedy token where the caller tells it without the
+    whole row (the token its shaper's greedy would take from it), else None (the row is fetched)."""
     b_all = tree.batch_size
     if not len(temperatures) == len(top_ks) == len(top_ps) == b_all:
         raise ValueError(f"verify: need one temperature, top_k and top_p per request ({b_all})")
@@ -211,8 +230,11 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
                         lambda active, kid_toks, want: (_match(kid_toks, want), want))
         elif shapers is None:
             res = _walk(tree, greedy, raw, _greedy_step) if greedy else {}
-        else:
+        elif greedy_at is None:
             res = _walk(tree, greedy, raw, _greedy_shaped_step(shapers), shapers) if greedy else {}
+        else:
+            res = _walk(tree, greedy, _greedy_known(raw, greedy_at, shapers),
+                        lambda active, kid_toks, want: (_match(kid_toks, want), want), shapers) if greedy else {}
         if sampled:
             def draw(bs: list[int], rows: torch.Tensor, us: list[float]) -> list[int]:  # rows [A, V] shaped logits
                 return draw_sampled(rows, [temperatures[b] for b in bs], [top_ks[b] for b in bs],

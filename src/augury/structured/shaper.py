@@ -102,6 +102,25 @@ class RequestShaper:
             tok = argmax_ids(logits.view(1, -1))[0]  # NO_TOKEN where the mask left nothing
         return tok
 
+    def shapes_beyond_mask(self) -> bool:
+        """Whether anything but the grammar's mask shapes the next token at the current state: a logit
+        bias, bad words, penalties, or min_tokens' mask of the tokens that would end the output."""
+        return self.bias_ids is not None or self.bad_single is not None or bool(self.bad_multi) \
+            or self.seen is not None or self.counts is not None \
+            or (self.min_stop is not None and len(self.output) < self.min_tokens)
+
+    def greedy_at(self, ids: np.ndarray, values: np.ndarray) -> int:
+        """greedy() of a row whose logits are `values` at `ids` (allowed_ids at the current state) and
+        -inf elsewhere, from those values alone, where shapes_beyond_mask() is False: the mask leaves the
+        row as it is, so its greedy token is the first largest of the values (ids ascend: the first index
+        on a tie, as argmax over the whole row), or NO_TOKEN where that is not finite (nothing allowed, or
+        a NaN or infinity, as argmax_ids)."""
+        self.stats.masked_tokens += 1
+        if not len(ids):
+            return NO_TOKEN
+        i = int(np.argmax(values))
+        return int(ids[i]) if np.isfinite(values[i]) else NO_TOKEN
+
     def _mask(self, logits: torch.Tensor, unless: int | None = None) -> bool:
         """Apply the grammar's mask at the current state to logits [V], unless it allows token `unless`;
         True when it was applied. Timed into the stats."""
