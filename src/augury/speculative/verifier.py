@@ -122,22 +122,18 @@ def _greedy_step(active: list[int], kid_toks: list[list[int]], logits: torch.Ten
     return _match(kid_toks, want), want
 
 
-def _greedy_shaped_step(shapers: Sequence[LogitsShaper | None]) -> _Step:
-    """_greedy_step over raw rows, a shaped request's argmax taken by its shaper (LogitsShaper.greedy:
-    the argmax of its shaped row, on a copy)."""
-    def step(active: list[int], kid_toks: list[list[int]], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        want = greedy_ids(logits, [shapers[b] for b in active])
-        return _match(kid_toks, want), want
-    return step
+def _known_step(active: list[int], kid_toks: list[list[int]], want: list[int]) -> tuple[list[int], list[int]]:
+    """A greedy level whose tokens are known already (`want`, per visited node): follow them."""
+    return _match(kid_toks, want), want
 
 
 def _greedy_known(at: Callable[[list[int], list[int]], torch.Tensor],
-                  greedy_at: Callable[[list[int], list[int]], list[int | None]],
+                  greedy_at: Callable[[list[int], list[int]], list[int | None]] | None,
                   shapers: Sequence[LogitsShaper | None]) -> Callable[[list[int], list[int]], list[int]]:
-    """(requests, nodes) -> each visited node's greedy token: greedy_at's where it tells it, else its
-    shaper's greedy (the raw argmax without one) over the row `at` gives."""
+    """(requests, nodes) -> each visited node's greedy token: greedy_at's where it tells it (None: no
+    node's), else its shaper's greedy (the raw argmax without one) over the row `at` gives."""
     def wants(bs: list[int], ns: list[int]) -> list[int]:
-        out = greedy_at(bs, ns)
+        out = greedy_at(bs, ns) if greedy_at is not None else [None] * len(bs)
         rest = [a for a, t in enumerate(out) if t is None]
         if rest:
             rows = at([bs[a] for a in rest], [ns[a] for a in rest])
@@ -226,15 +222,11 @@ def verify(tree: DraftTree, target_logits: NodeValues, temperatures: Sequence[fl
             # the walk in Python, instead of an index and an argmax per level (each torch call right
             # after a forward costs several times its warm time); the same tokens
             best = argmax_ids(target_logits)  # [B][N]
-            res = _walk(tree, greedy, lambda bs, ns: [best[b][n] for b, n in zip(bs, ns)],
-                        lambda active, kid_toks, want: (_match(kid_toks, want), want))
+            res = _walk(tree, greedy, lambda bs, ns: [best[b][n] for b, n in zip(bs, ns)], _known_step)
         elif shapers is None:
             res = _walk(tree, greedy, raw, _greedy_step) if greedy else {}
-        elif greedy_at is None:
-            res = _walk(tree, greedy, raw, _greedy_shaped_step(shapers), shapers) if greedy else {}
         else:
-            res = _walk(tree, greedy, _greedy_known(raw, greedy_at, shapers),
-                        lambda active, kid_toks, want: (_match(kid_toks, want), want), shapers) if greedy else {}
+            res = _walk(tree, greedy, _greedy_known(raw, greedy_at, shapers), _known_step, shapers) if greedy else {}
         if sampled:
             def draw(bs: list[int], rows: torch.Tensor, us: list[float]) -> list[int]:  # rows [A, V] shaped logits
                 return draw_sampled(rows, [temperatures[b] for b in bs], [top_ks[b] for b in bs],
