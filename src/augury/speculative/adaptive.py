@@ -506,25 +506,50 @@ class AdaptivePolicy(Acceptance):
     def free_allowed(self, batch_size: int) -> bool:
         """The rule chose plain decoding: verify the drafts that cost no draft model instead (a
         grammar's forced tokens, suffix drafts)? Where plain decoding has been measured, while their
-        steps' realized tokens per second holds up to plain decoding's (until MIN_SEEN of them, to
-        measure it); where it did not, when the exploration rule re-measures them."""
+        steps' realized tokens per second holds up to plain decoding's; where it did not, when the
+        exploration rule re-measures them. Until this bucket has MIN_SEEN of them, the last verdict
+        stands: its own from before a re-measurement (a thread-count change, Bucket.remeasure), else
+        the nearest bucket's within NEAR_ROWS (_near_free_gain); with none, they run, to be measured.
+        Without that a bucket the batch passes through in a few steps ran them unmeasured each time
+        (JSON at batch 48 shrinking as answers end, AVX2: in a losing round 5-11 of a bucket's free
+        steps ran before its verdict, each thread-count change gave every bucket 5 more, and the free
+        steps of buckets 32 and 48 lost 15-45% a token against plain steps there)."""
         bk = self._bucket(batch_size)
         t0 = bk.arm(0).seconds()
         if t0 is None:
             return False
         free = bk.arm(FREE)
         got = free.realized()
-        if got is None or got >= batch_size / t0:
+        if got is not None:
+            gain = bk.free_gain = got * t0 / batch_size
+        elif free.fresh is not None and free.last is not None:
+            return True  # a re-measurement the exploration rule granted, under way
+        else:
+            gain = bk.free_gain if bk.free_gain is not None else self._near_free_gain(batch_size)
+        if gain is None or gain >= 1.0:
             return True
-        if free.last is None or bk.steps - free.last < WINDOW:
+        if free.last is not None and bk.steps - free.last < WINDOW:
             return False
-        loss = MIN_SEEN * (free.seconds() or t0) * (1.0 - got * t0 / batch_size)
+        loss = MIN_SEEN * (free.seconds() or t0) * (1.0 - gain)
         if loss > bk.credit:
             return False
         bk.credit -= loss  # charged at once, as expected: its steps follow the rule's plain decisions
         free.refresh()
         free.last = bk.steps
         return True
+
+    def _near_free_gain(self, batch_size: int) -> float | None:
+        """The nearest bucket's last verdict on free-drafts steps (Bucket.free_gain: their realized
+        tokens per second over plain decoding's), within a factor of NEAR_ROWS of this batch size:
+        whether verifying a batch's forced tokens pays changes little between neighbouring sizes
+        (it turns with the share of a step that the rows' weights, not their compute, take)."""
+        key = bucket_of(batch_size)
+        for k in sorted(self.buckets, key=lambda k: abs(math.log(k / key))):
+            if max(k, key) > NEAR_ROWS * min(k, key):
+                break
+            if k != key and self.buckets[k].free_gain is not None:
+                return self.buckets[k].free_gain
+        return None
 
     def free_cut(self, batch_size: int, probs: Sequence[float], reaches: Sequence[int] | None = None) -> int:
         """How many of a lone request's drafts that cost no draft model to verify (probs: per draft, the

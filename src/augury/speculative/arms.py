@@ -173,6 +173,9 @@ class Bucket:
         self.quiet: tuple | None = None  # (request ids, until which policy step, their spread estimate): _quiet
         # timed steps of drafts that cost no draft model: (draft rows verified, seconds), for row_cost
         self.free_rows: deque[tuple[int, float]] = deque(maxlen=2 * WINDOW)
+        # the free arm's last verdict: its realized tokens/s over plain decoding's B / t_0 (adaptive.free_allowed);
+        # kept through a re-measurement, until its new steps give another
+        self.free_gain: float | None = None
         self._line: tuple | None = None  # row_cost's fit: ((steps, the newest step), (a, c, mean k))
 
     def arm(self, key: int) -> Arm:
