@@ -507,8 +507,9 @@ class AdaptivePolicy(Acceptance):
         """The rule chose plain decoding: verify the drafts that cost no draft model instead (a
         grammar's forced tokens, suffix drafts)? Where plain decoding has been measured, while their
         steps' realized tokens per second holds up to plain decoding's, or falls short of it by less
-        than a short window's noise (GUARD_MARGIN) until they fill a window (judged on MIN_SEEN steps,
-        JSON answers at batch 16 read 0.89 of plain decoding's rate where they ran at 1.04x, AVX2);
+        than a short window's noise (GUARD_MARGIN) until they fill a window (a verdict on MIN_SEEN
+        steps moves by 10-20% from one window to the next: JSON answers at batch 16, AVX2, 0.86-0.89 of
+        plain decoding's rate on 5 steps, 0.67-0.87 on later windows, in one process);
         where it did not, when the exploration rule re-measures them. After a thread-count change
         (Bucket.remeasure) their last verdict stands where it was a clear loss (under GUARD_MARGIN)
         until they are re-measured; otherwise they run until MIN_SEEN of them are measured. Without
