@@ -459,6 +459,21 @@ def test_a_plain_batch_skips_the_rule_but_not_its_explorations():
     assert len(calls) == n + 1
 
 
+def _free_asks(policy: AdaptivePolicy, batch: int, plain: float, tokens: int, seconds: float,
+               choose: bool = False, steps: int = 3000) -> list[bool]:
+    """`steps` plain steps at `batch` (plain seconds each; the rule asked first where choose), each
+    followed by the free-drafts ask; an allowed one runs a free step of `tokens` in `seconds`."""
+    allowed = []
+    for _ in range(steps):
+        if choose:
+            policy.choose(batch)
+        policy.observe_plain(batch, plain)
+        allowed.append(policy.free_allowed(batch))
+        if allowed[-1]:
+            policy.observe_free(batch, tokens, seconds)
+    return allowed
+
+
 def test_free_drafts_run_where_they_pay_and_are_re_measured_where_they_do_not() -> None:
     """Steps of drafts that cost no draft model (forced tokens, suffix drafts) after the rule chose
     plain decoding: allowed once plain decoding is measured, kept while their realized tokens per
@@ -477,13 +492,7 @@ def test_free_drafts_run_where_they_pay_and_are_re_measured_where_they_do_not() 
         assert policy.free_allowed(16)
         policy.observe_free(16, 28, 0.030)
     assert not policy.free_allowed(16) and policy.free_allowed(1)
-    allowed = []
-    for _ in range(3000):
-        policy.choose(16)
-        policy.observe_plain(16, 0.015)
-        allowed.append(policy.free_allowed(16))
-        if allowed[-1]:
-            policy.observe_free(16, 28, 0.030)
+    allowed = _free_asks(policy, 16, 0.015, 28, 0.030, choose=True)
     lost = sum(allowed) * (0.030 - 28 * 0.015 / 16)
     assert 0 < sum(allowed) and lost <= EXPLORE_SHARE * 0.015 * 3000 + MIN_SEEN * 0.030
 
@@ -506,12 +515,7 @@ def test_a_free_drafts_verdict_stands_through_a_re_measurement() -> None:
     assert not policy.free_allowed(48)  # plain decoding not re-measured yet
     teach_times(policy, 48, 0.060, {})
     assert not policy.free_allowed(48)
-    allowed = []
-    for _ in range(3000):
-        policy.observe_plain(48, 0.060)
-        allowed.append(policy.free_allowed(48))
-        if allowed[-1]:
-            policy.observe_free(48, 90, 0.150)
+    allowed = _free_asks(policy, 48, 0.060, 90, 0.150)
     lost = sum(allowed) * (0.150 - 90 * 0.060 / 48)
     assert 0 < sum(allowed) and lost <= EXPLORE_SHARE * 0.060 * 3000 + MIN_SEEN * 0.150
     teach_times(policy, 16, 0.020, {})
