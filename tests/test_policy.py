@@ -174,6 +174,47 @@ def test_re_measurements_are_charged_their_whole_wall_time():
     assert lost <= EXPLORE_SHARE * spent + 2 * MIN_SEEN * 0.050
 
 
+def _first_probe(policy: AdaptivePolicy, behind: int, steps: int = 5000) -> tuple[int, float, int, int] | None:
+    """A batch of 4 requests `behind` positions ahead of the head (one more each plain step) decoding
+    plainly until the policy first drafts: (that step, the bucket's credit before it, how many rows
+    draft, how far ahead of the head they then were); None if it never drafts within `steps`."""
+    reqs = _reqs(4)
+    for r in reqs:
+        r.num_computed, r.draft_len = behind + 3, 0
+    for step in range(steps):
+        credit = policy._bucket(4).credit
+        plan = policy.plan(reqs)
+        if plan.shape is not None:
+            return step, credit, sum(c != 0 for c in plan.caps), reqs[0].num_computed
+        policy.observe(4, None, 0.040, [])
+        for r in reqs:
+            r.num_computed += 1
+    return None
+
+
+def test_a_re_measurement_waits_until_the_credit_covers_the_heads_catch_up():
+    """Exploring drafting also pays the head's catch-up over every position its rows have not shown it
+    (the worker times it apart: Proposer.catch_up_seconds): at the measured price of a caught-up row
+    (0.1 ms) a request 1,000 positions ahead costs ~0.1 s more than its steps, and the first drafting
+    step waits until the credit covers that too; before any catch-up is measured it costs nothing
+    extra, and drafting is explored over 10x sooner, as early as for requests with no backlog."""
+    def losing() -> AdaptivePolicy:
+        policy = AdaptivePolicy(TREE, None)
+        _accept(policy, TREE, 1)
+        teach_times(policy, 4, 0.040, {3: 0.120})  # 8 tokens in 120 ms against plain's 4 in 40: it loses
+        return policy
+
+    price = 1e-4
+    priced = losing()
+    priced.observe_catch_up(1000, 1000 * price)
+    late, soon = _first_probe(priced, 1000), _first_probe(losing(), 1000)
+    assert late is not None and soon is not None
+    step, credit, rows, ahead = late
+    cost = rows * (ahead - TREE.num_steps - 2) * price  # the catch-up beyond a drafting step's own rows
+    assert credit >= cost >= 0.1 and step > 10 * soon[0]
+    assert _first_probe(losing(), 0)[0] == soon[0]
+
+
 def test_a_new_bucket_above_a_losing_one_does_not_probe_at_once():
     """A batch draining through bucket after bucket must not probe drafting in each: above a bucket
     where drafting was measured and lost, a new bucket borrows that bucket's measured extra (scaled up
@@ -377,6 +418,8 @@ def test_steps_that_catch_up_a_backlog_are_timed_without_it(ckpts):
     spec = llm.engine.speculator
     seen, walls = [], []
     spec.policy.observe = lambda b, shape, s, acc, timed=True, **kw: seen.append((timed, s, spec.proposer.catch_up_seconds))
+    told = []  # the catch-ups the policy is told of, the price of a row its explorations pay
+    spec.policy.observe_catch_up = lambda rows, s: told.append((rows, s))
     step = W.Speculator.step
 
     def timed_step(self, host, reqs):
@@ -392,6 +435,7 @@ def test_steps_that_catch_up_a_backlog_are_timed_without_it(ckpts):
     usual = 3 + spec.proposer.extra_nodes + 2
     first, caught = seen[0][1], seen[0][2]
     assert caught > 0 and first <= walls[0] - caught * (20 - usual) / 20  # the 20-token prompt's excess taken out
+    assert told and told[0] == (20, caught)
     assert all(s <= w for (_, s, _), w in zip(seen[1:], walls[1:]))
 
 

@@ -95,6 +95,9 @@ class StaticPolicy:
         """Feedback after a step (used by the adaptive policy; nothing to learn here). timed=False:
         the step's time is not representative (it also caught the head up on a backlog)."""
 
+    def observe_catch_up(self, rows: int, seconds: float) -> None:
+        """The head caught up `rows` positions it had not seen in `seconds` (nothing to learn here)."""
+
     def free_first(self, reqs: Sequence[Request], scores: Sequence[float]) -> bool:
         """The configured tree is always drafted: suffix drafts are never verified in its place."""
         return False

@@ -192,6 +192,8 @@ class Speculator:
         caught = getattr(self.proposer, "catch_up_seconds", None)
         if backlog > usual and caught is not None:
             seconds -= caught * (backlog - usual) / backlog
+            if not self.warming:
+                self.policy.observe_catch_up(backlog, caught)
         if not self.warming:
             self.policy.observe(len(reqs), shape, seconds, [t.accepted[own] for _, t in learned],
                                 timed=(backlog <= usual or caught is not None)
