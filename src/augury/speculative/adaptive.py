@@ -304,8 +304,8 @@ class AdaptivePolicy(Acceptance):
         drafting step's timed seconds (the arm's cost is its steady state), but a re-measurement pays
         all of it, and the credit should cover it before, not after: JSON answers at batch 48 (demo,
         AVX2 EPYC, 2 threads, in one process), a probe's first step caught the head up over the 48
-        prompts in 0.16 s (11 us a row) of its 1.26 s; before this charge a bucket's probe was due as
-        soon as the credit covered the predicted loss of its steps alone."""
+        prompts in 0.16 s of its 1.26 s; before this charge a bucket's probe was due as soon as the
+        credit covered the predicted loss of its steps alone."""
         seconds, caught = self.caught
         if not caught or not self._backlogs:
             return 0.0
@@ -313,9 +313,9 @@ class AdaptivePolicy(Acceptance):
         return rows_behind * seconds / caught
 
     def observe_catch_up(self, rows: int, seconds: float) -> None:
-        """The head caught up `rows` positions it had not seen in `seconds` (a drafting step's backlog past
-        its usual rows, as the worker times it): the price of a row in `_catch_up_cost`, over the last
-        ~20 such catch-ups (KEEP)."""
+        """The head caught up `rows` positions it had not seen in `seconds` (the worker's, after a drafting
+        step whose backlog was more than such a step's usual rows: all of it, and its whole time): the
+        price of a row in `_catch_up_cost`, their decayed sums' ratio over the last ~20 (KEEP)."""
         s, n = self.caught
         self.caught = (KEEP * s + seconds, KEEP * n + rows)
 
