@@ -85,9 +85,9 @@ class AdaptivePolicy(Acceptance):
         self.rows_drafted = 0  # ... and those it let draft
         self.why: Why = ("measure-plain", 0, 0.0, 0.0)  # what decided the last plan (policy.reason)
         # the head's catch-up over backlogs (observe_catch_up): decayed seconds and rows, their ratio the
-        # price of a row; and the requests of the step being planned (their backlogs read only when priced)
+        # price of a row; and the rows the head has not seen of each request of the step being planned
         self.caught = (0.0, 0.0)
-        self._planning: Sequence[Request] = ()
+        self._backlogs: list[int] = []
 
     # ------------------------------------------------------------------ shapes
     def shape_for(self, depth: int) -> TreeShape:
@@ -121,7 +121,7 @@ class AdaptivePolicy(Acceptance):
         if self._quiet(bk, reqs):
             return plain
         owns = [self._own(r) if c != 0 else None for r, c in zip(reqs, caps)]
-        self._planning = reqs
+        self._backlogs = [max(r.num_computed - r.draft_len, 0) for r in reqs]
         self._learn_spread(owns)  # over every request that may draft, those left out included
         depth, pick, kind = self._decide(bk, b, caps, [self._request(r) for r in reqs], owns)
         for row in pick:
@@ -143,7 +143,7 @@ class AdaptivePolicy(Acceptance):
         if self.threshold is not None and batch_size > self.threshold:
             return None
         e = _expected(self.rates(), self.tail_mean())
-        self._planning = ()
+        self._backlogs = []
         depth, pick, _ = self._decide(self._bucket(batch_size), batch_size, (None,) * batch_size,
                                       [e] * batch_size, None)
         return self.shape_for(depth) if depth and pick else None
@@ -307,10 +307,9 @@ class AdaptivePolicy(Acceptance):
         prompts in 0.16 s of its 1.26 s; before this charge a bucket's probe was due as soon as the
         credit covered the predicted loss of its steps alone."""
         seconds, caught = self.caught
-        if not caught or not self._planning:
+        if not caught or not self._backlogs:
             return 0.0
-        reqs = self._planning
-        rows_behind = sum(max(reqs[r].num_computed - reqs[r].draft_len - depth - 2, 0) for r in rows)
+        rows_behind = sum(max(self._backlogs[r] - depth - 2, 0) for r in rows)
         return rows_behind * seconds / caught
 
     def observe_catch_up(self, rows: int, seconds: float) -> None:
