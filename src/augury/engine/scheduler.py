@@ -10,8 +10,8 @@ the cache as soon as all their tokens' KV is committed, and when it leaves (fini
 or preempted). A waiting request is admitted with the longest run of its leading full blocks
 found there, short of its last token: at least one token is always computed (its logits give
 the next one). An EAGLE-3 head reads the head KV of those blocks where whoever computed them
-offered it (speculative/eagle3_proposer.py). A request asking for prompt log-probabilities computes its
-whole prompt.
+offered it (speculative/eagle3_proposer.py). A request asking for prompt log-probabilities computes
+its whole prompt.
 """
 from __future__ import annotations
 
